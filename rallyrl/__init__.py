@@ -1,0 +1,21 @@
+"""rallyrl: PPO fine-tuning of Hugging Face language models with one central reward step.
+
+Every rank generates its rollouts; all of them rally to one reward host, are scored in one batched
+reward call, and each rank gets exactly its own rewards back.
+"""
+
+from .config import Config, ConfigError, load_config
+from .reward.step import NamedRewardFn, RewardError
+
+__version__ = "0.1.0"
+__all__ = ["Config", "ConfigError", "NamedRewardFn", "RewardError", "load_config", "train"]
+
+
+def train(*args, **kwargs):  # noqa: D401 - thin lazy wrapper so `import rallyrl` stays cheap
+    """Fine-tune with PPO; see ``rallyrl.trainer.train``."""
+    from .trainer import train as _train
+
+    return _train(*args, **kwargs)
+
+
+train.__doc__ = "Fine-tune with PPO (see rallyrl.trainer.train)."

@@ -1,0 +1,516 @@
+"""Typed configuration: dataclasses, a strict loader and the derived batch plan.
+
+Every field has a default and a one-line ``doc`` in its metadata; ``docs/config.md`` is generated from
+these (``python -m rallyrl.config --markdown``) and a test keeps the two in sync.
+
+Strictness is the point (style rule 4): an unknown key, or a value of the wrong type, is a
+``ConfigError`` naming the dotted key (with a "did you mean" suggestion) and it is raised before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or inconsistent."""
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    """A dataclass field with documentation attached (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc, **kw})
+    return field(default=default, metadata={"doc": doc, **kw})
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("", "Local Hugging Face model folder (config + weights + tokenizer) of the policy.")
+    tokenizer_path: str | None = _f(None, "Tokenizer folder, if it is not `model.path`.")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "Dtype the policy, reference and value head are loaded in."
+    )
+    value_head_std: float = _f(
+        0.0, "Init std of the value head's weight (0 = zeros, so the first values are 0)."
+    )
+
+
+@dataclass
+class DataConfig:
+    prompts: str | list[Any] | None = _f(
+        None,
+        "Training prompts: a `.jsonl` of `{\"prompt\": str, ...metadata}`, a `.txt` with one prompt per "
+        "line, or an inline list (of strings or such dicts). `rallyrl.train(prompts=...)` overrides it.",
+    )
+    eval_prompts: str | list[Any] | None = _f(
+        None, "Evaluation prompts, same forms as `data.prompts`; unset = no evaluation."
+    )
+    shuffle: bool = _f(True, "Shuffle the prompt order each pass over the data (shared seed: all ranks agree).")
+
+
+@dataclass
+class TrainConfig:
+    seed: int = _f(0, "Seed of everything (model init, prompt order; sampling is seeded per rank from it).")
+    run_dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, rollouts.jsonl, final/.")
+    iterations: int = _f(10, "PPO iterations (collect `rollout.num_rollouts` samples, then update).")
+    eval_interval: int = _f(
+        0, "Evaluate every N iterations (0 = only before the first and after the last iteration)."
+    )
+    log_rollouts: bool = _f(True, "Write every training sample to `rollouts.jsonl`.")
+    tensorboard: bool = _f(False, "Also log metrics to TensorBoard under `run_dir/tensorboard/`.")
+    progress: bool = _f(True, "Show a progress bar on the main rank.")
+    save_final: bool = _f(True, "Save the final policy (no value head) and tokenizer to `run_dir/final/`.")
+    num_threads: int = _f(0, "torch intra-op threads per process (0 = cores / local processes).")
+
+
+@dataclass
+class RolloutConfig:
+    num_rollouts: int = _f(64, "GLOBAL samples per iteration, split over the ranks as evenly as possible.")
+    chunk_size: int = _f(16, "Per-rank generation batch; one central reward step per chunk round.")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = _f(32, "Maximum response length in tokens.")
+    do_sample: bool = _f(True, "Sample (True) or decode greedily (False) during training rollouts.")
+    temperature: float = _f(1.0, "Sampling temperature.")
+    top_k: int = _f(0, "Top-k filtering (0 = off).")
+    top_p: float = _f(1.0, "Nucleus filtering (1.0 = off).")
+    stop_sequences: list[str] = _f(
+        [], "Strings that end a response: tokens after the one completing the string are dropped."
+    )
+    eval_do_sample: bool = _f(False, "Sample during evaluation (False = greedy, deterministic metrics).")
+
+
+@dataclass
+class PPOConfig:
+    epochs: int = _f(4, "PPO epochs over each iteration's rollouts.")
+    num_minibatches: int = _f(
+        1, "Optimizer steps per epoch; every rank splits its samples into this many minibatches."
+    )
+    lr: float = _f(1e-5, "AdamW learning rate.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "Learning-rate schedule over all optimizer steps of the run."
+    )
+    warmup_steps: int = _f(0, "Linear warm-up optimizer steps.")
+    max_grad_norm: float | None = _f(1.0, "Gradient clipping norm (null = off).")
+    clip_range: float = _f(0.2, "PPO ratio clip epsilon.")
+    clip_range_value: float = _f(0.2, "Value clip range around the rollout values.")
+    vf_coef: float = _f(0.1, "Value loss coefficient.")
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    gamma: float = _f(1.0, "Discount factor.")
+    lam: float = _f(0.95, "GAE lambda.")
+    init_kl_coef: float = _f(0.05, "Initial KL penalty coefficient (beta).")
+    target_kl: float | None = _f(
+        None, "Target per-sequence KL for the adaptive controller (Ziegler et al.); null = fixed beta."
+    )
+    kl_horizon: int = _f(10000, "Horizon of the adaptive KL controller, in samples.")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k1", "Per-token KL estimator in the reward penalty.")
+    whiten_advantages: bool = _f(True, "Whiten advantages over the GLOBAL batch (all ranks).")
+    reward_scaling: Literal["none", "running"] = _f(
+        "none", "Divide scores by the running std of scores (global over ranks)."
+    )
+    reward_clip: float | None = _f(None, "Clip scores to [-x, x] after scaling (null = off).")
+
+
+@dataclass
+class RewardFnSpec:
+    fn: str = _f("", "Import path of a reward function: `pkg.mod:attr` or `path/to/file.py:attr`.")
+    weight: float = _f(1.0, "Weight of this function in the summed score.")
+    name: str = _f("", "Metric name (`reward/<name>`); default: the attribute name.")
+    kwargs: dict[str, Any] = _f({}, "If set, `fn` is a factory: `fn(**kwargs)` builds the reward function.")
+
+
+@dataclass
+class RewardConfig:
+    fn: str | None = _f(
+        None, "Import path of the reward function (`pkg.mod:attr` or `file.py:attr`); or pass `reward_fn=`."
+    )
+    kwargs: dict[str, Any] = _f({}, "If set, `reward.fn` is a factory called as `fn(**kwargs)`.")
+    fns: list[RewardFnSpec] = _f([], "Several weighted reward functions (instead of `reward.fn`).")
+    placement: Literal["main", "local", "collective"] = _f(
+        "main",
+        "Where the reward runs: `main` = gather to rank 0, one batched call, scatter back; `local` = each "
+        "rank scores its own; `collective` = every rank calls it on the full batch (sharded reward models).",
+    )
+    batch_size: int | None = _f(
+        None, "Micro-batch size of reward calls (null = one call with every sample of the chunk round)."
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = _f(0, "Save a checkpoint every N iterations (0 = off).")
+    keep_last: int = _f(2, "How many checkpoints to keep.")
+
+
+@dataclass
+class DistConfig:
+    timeout_s: float = _f(600.0, "Collective timeout in seconds (a dead peer ends the job after this).")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Strict loading
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (Any,)
+        return f"list[{_type_name(arg)}]"
+    if origin is dict:
+        return "mapping"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints are accepted for floats)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            hint = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{key}: expected one of {list(allowed)}, got {value!r}{extra}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        (arg,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, arg, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return _build(tp, value, key)
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{key}: expected null, got {value!r}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {key}")  # a bug in this module
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            hint = difflib.get_close_matches(str(k), names, n=1)
+            extra = f" (did you mean {(prefix + '.' if prefix else '') + hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"unknown config key {key!r}{extra}")
+        kwargs[k] = _coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: {p!r} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """``["ppo.lr=3e-4", "data.prompts=[a, b]"]`` -> dotted keys with YAML-parsed values."""
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            parsed = yaml.safe_load(v) if v != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {k}: value {v!r} is not valid YAML: {e}") from None
+        # YAML 1.1 reads "3e-4" as a string; users mean a number.
+        if isinstance(parsed, str):
+            try:
+                parsed = float(parsed) if any(c in parsed.lower() for c in ".e") else parsed
+            except ValueError:
+                pass
+        out.append((k.strip(), parsed))
+    return out
+
+
+def load_config(source: Config | dict | str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build a validated ``Config`` from a Config, a dict, or a YAML path, plus ``key=value`` overrides."""
+    if isinstance(source, Config):
+        data = source.to_dict()
+    elif isinstance(source, dict):
+        data = dict(source)
+    elif source is None:
+        data = {}
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    data = _to_plain(data)
+    for k, v in parse_overrides(overrides or []):
+        _set_dotted(data, k, v)
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def _to_plain(data: Any) -> Any:
+    """Deep-copy nested dicts/lists (so overrides never mutate the caller's dict)."""
+    if isinstance(data, dict):
+        return {k: _to_plain(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_to_plain(v) for v in data]
+    return data
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that types cannot express. Raises ConfigError naming the key."""
+    def positive(key: str, v: int | float | None, allow_zero: bool = False) -> None:
+        if v is None:
+            return
+        if v < 0 or (v == 0 and not allow_zero):
+            raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+
+    positive("rollout.num_rollouts", cfg.rollout.num_rollouts)
+    positive("rollout.chunk_size", cfg.rollout.chunk_size)
+    positive("generation.max_new_tokens", cfg.generation.max_new_tokens)
+    positive("generation.temperature", cfg.generation.temperature)
+    positive("generation.top_k", cfg.generation.top_k, allow_zero=True)
+    if not 0 < cfg.generation.top_p <= 1:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    if any(s == "" for s in cfg.generation.stop_sequences):
+        raise ConfigError("generation.stop_sequences must not contain an empty string")
+    positive("train.iterations", cfg.train.iterations, allow_zero=True)
+    positive("train.eval_interval", cfg.train.eval_interval, allow_zero=True)
+    positive("train.num_threads", cfg.train.num_threads, allow_zero=True)
+    positive("ppo.epochs", cfg.ppo.epochs)
+    positive("ppo.num_minibatches", cfg.ppo.num_minibatches)
+    positive("ppo.lr", cfg.ppo.lr)
+    positive("ppo.warmup_steps", cfg.ppo.warmup_steps, allow_zero=True)
+    positive("ppo.max_grad_norm", cfg.ppo.max_grad_norm)
+    positive("ppo.clip_range", cfg.ppo.clip_range)
+    positive("ppo.clip_range_value", cfg.ppo.clip_range_value)
+    positive("ppo.init_kl_coef", cfg.ppo.init_kl_coef, allow_zero=True)
+    positive("ppo.target_kl", cfg.ppo.target_kl)
+    positive("ppo.kl_horizon", cfg.ppo.kl_horizon)
+    positive("ppo.reward_clip", cfg.ppo.reward_clip)
+    for key in ("gamma", "lam"):
+        v = getattr(cfg.ppo, key)
+        if not 0 <= v <= 1:
+            raise ConfigError(f"ppo.{key} must be in [0, 1], got {v}")
+    positive("reward.batch_size", cfg.reward.batch_size)
+    positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    positive("dist.timeout_s", cfg.dist.timeout_s)
+    if cfg.reward.fn and cfg.reward.fns:
+        raise ConfigError("set either reward.fn or reward.fns, not both")
+    for i, spec in enumerate(cfg.reward.fns):
+        if not spec.fn:
+            raise ConfigError(f"reward.fns[{i}].fn is required")
+    names = [reward_fn_name(s) for s in cfg.reward.fns]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"reward.fns: duplicate names {sorted(dup)}; set reward.fns[i].name")
+
+
+def reward_fn_name(spec: RewardFnSpec) -> str:
+    if spec.name:
+        return spec.name
+    return spec.fn.rsplit(":", 1)[-1] if ":" in spec.fn else spec.fn
+
+
+# --------------------------------------------------------------------------------------------------
+# Derived batch plan
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Batch arithmetic, derived once from the config and the world size.
+
+    ``num_rollouts`` global samples are split over ``world_size`` ranks as evenly as possible (the first
+    ``num_rollouts % world_size`` ranks get one more). Every rank runs the same number of chunk rounds
+    (``rounds``) so the central reward step is entered the same number of times everywhere; in a round a
+    rank may have fewer samples than ``chunk_size``, even none.
+    """
+
+    world_size: int
+    num_rollouts: int
+    chunk_size: int
+    local_counts: tuple[int, ...]
+    rounds: int
+    num_minibatches: int
+    epochs: int
+
+    @property
+    def optimizer_steps_per_iteration(self) -> int:
+        return self.epochs * self.num_minibatches
+
+    def local_count(self, rank: int) -> int:
+        return self.local_counts[rank]
+
+    def offset(self, rank: int) -> int:
+        """Index of this rank's first sample in the global (rank-major) order."""
+        return sum(self.local_counts[:rank])
+
+    def round_counts(self, rank: int, round_idx: int) -> int:
+        """Samples this rank generates in chunk round ``round_idx``."""
+        n = self.local_counts[rank]
+        return max(0, min(self.chunk_size, n - round_idx * self.chunk_size))
+
+
+def split_evenly(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def make_batch_plan(cfg: Config, world_size: int) -> BatchPlan:
+    g = cfg.rollout.num_rollouts
+    if g < world_size:
+        raise ConfigError(
+            f"rollout.num_rollouts={g} is smaller than the number of processes ({world_size}); "
+            f"every rank needs at least one sample"
+        )
+    counts = split_evenly(g, world_size)
+    smallest = min(counts)
+    if cfg.ppo.num_minibatches > smallest:
+        raise ConfigError(
+            f"ppo.num_minibatches={cfg.ppo.num_minibatches} exceeds the smallest per-rank batch "
+            f"({smallest} = rollout.num_rollouts {g} split over {world_size} processes); every rank must "
+            f"take the same number of optimizer steps"
+        )
+    rounds = -(-max(counts) // cfg.rollout.chunk_size)
+    return BatchPlan(
+        world_size=world_size,
+        num_rollouts=g,
+        chunk_size=cfg.rollout.chunk_size,
+        local_counts=tuple(counts),
+        rounds=rounds,
+        num_minibatches=cfg.ppo.num_minibatches,
+        epochs=cfg.ppo.epochs,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference documentation (docs/config.md is generated from the field docs)
+
+
+def _default_repr(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return "null" if f.default is None else yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        v = f.default_factory()  # type: ignore[misc]
+        return yaml.safe_dump(v, default_flow_style=True).strip()
+    return ""
+
+
+def config_markdown() -> str:
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `rallyrl/config.py` (`python -m rallyrl.config --markdown > docs/config.md`); a test",
+        "fails when this page and the code disagree. Every key can be set in the YAML file or on the",
+        "command line with `--set section.key=value` (the value is parsed as YAML). Unknown keys and wrong",
+        "types are errors naming the key, raised before any model is loaded.",
+        "",
+    ]
+    for section in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        lines += [f"## `{section.name}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = _type_name(hints[f.name]).replace("|", "\\|")
+            lines.append(
+                f"| `{section.name}.{f.name}` | {tp} | `{_default_repr(f)}` | {f.metadata.get('doc', '')} |"
+            )
+        lines.append("")
+        if cls is RewardConfig:
+            lines += ["Each entry of `reward.fns`:", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+            sh = typing.get_type_hints(RewardFnSpec)
+            for f in dataclasses.fields(RewardFnSpec):
+                tp = _type_name(sh[f.name]).replace("|", "\\|")
+                lines.append(f"| `{f.name}` | {tp} | `{_default_repr(f)}` | {f.metadata.get('doc', '')} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv:
+        print(config_markdown())

@@ -1,0 +1,103 @@
+"""Prompt loading and the shared prompt order.
+
+A prompt record is a dict with a ``"prompt"`` string and any number of metadata columns; the metadata
+reaches the reward function as per-sample lists aligned with the samples.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Prompts could not be loaded or are malformed."""
+
+
+def load_prompts(source: str | Path | list[Any], what: str = "data.prompts") -> list[dict[str, Any]]:
+    """Load prompts from a ``.jsonl`` / ``.txt`` path or an inline list (strings or dicts)."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise DataError(f"{what}: file not found: {path}")
+        if path.suffix == ".jsonl":
+            records = []
+            for lineno, line in enumerate(path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{what}: {path}:{lineno} is not valid JSON: {e}") from None
+                records.append(_record(rec, f"{path}:{lineno}", what))
+        elif path.suffix == ".txt":
+            records = [{"prompt": line} for line in path.read_text().splitlines() if line.strip()]
+        else:
+            raise DataError(f"{what}: {path} must be a .jsonl or .txt file")
+    elif isinstance(source, list):
+        records = [_record(r, f"item {i}", what) for i, r in enumerate(source)]
+    else:
+        raise DataError(f"{what}: expected a path or a list, got {type(source).__name__}")
+    if not records:
+        raise DataError(f"{what}: no prompts in {source if not isinstance(source, list) else 'the list'}")
+    return records
+
+
+def _record(rec: Any, where: str, what: str) -> dict[str, Any]:
+    if isinstance(rec, str):
+        return {"prompt": rec}
+    if isinstance(rec, dict):
+        if not isinstance(rec.get("prompt"), str):
+            raise DataError(f"{what}: {where} has no string 'prompt' field")
+        return dict(rec)
+    raise DataError(f"{what}: {where} must be a string or an object with a 'prompt', got {type(rec).__name__}")
+
+
+def metadata_columns(records: list[dict[str, Any]]) -> list[str]:
+    cols: dict[str, None] = {}
+    for r in records:
+        for k in r:
+            if k != "prompt":
+                cols[k] = None
+    return list(cols)
+
+
+class PromptSampler:
+    """An endless stream of prompt indices, identical on every rank (shared seed).
+
+    Each pass over the data is a permutation drawn from ``(seed, epoch)``, so the state is two integers
+    and a resumed run continues the exact same stream.
+    """
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def next(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            take = min(k - len(out), self.n - self.pos)
+            out.extend(int(i) for i in self._perm[self.pos : self.pos + take])
+            self.pos += take
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["n"] != self.n:
+            raise DataError(f"checkpoint was made with {state['n']} prompts, the data now has {self.n}")
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._perm = self._permutation(self.epoch)

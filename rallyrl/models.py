@@ -1,0 +1,137 @@
+"""Policy with a value head, the frozen reference policy, and loading with clear errors.
+
+Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) response length, ``V`` vocab,
+``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ConfigError, ModelConfig
+from .seeding import shared_generator
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model or tokenizer folder is missing or unusable."""
+
+
+class PolicyWithValueHead(nn.Module):
+    """A causal LM plus a scalar value head on its last hidden state (one forward gives both)."""
+
+    def __init__(self, lm: nn.Module, value_head_std: float, seed: int) -> None:
+        super().__init__()
+        self.lm = lm
+        hidden = lm.config.get_text_config().hidden_size
+        self.v_head = nn.Linear(hidden, 1, dtype=next(lm.parameters()).dtype)
+        # Initialised from the shared seed: identical on every rank and independent of the global RNG.
+        g = shared_generator(seed, 17)
+        with torch.no_grad():
+            w = torch.randn(self.v_head.weight.shape, generator=g) * value_head_std
+            self.v_head.weight.copy_(w.to(self.v_head.weight.dtype))
+            self.v_head.bias.zero_()
+        self._keeps_logits = "logits_to_keep" in inspect.signature(lm.forward).parameters
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids/attention_mask (B, Q+T) = [left-padded query | right-padded response].
+
+        Returns logits (B, T, V) predicting each response token and values (B, T): the value of the
+        state in which response token t is chosen (the hidden state one position before it).
+        """
+        T = response_len
+        # Left padding shifts the real tokens; positions count real tokens only (as generate() does).
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
+        kwargs = {"logits_to_keep": T + 1} if self._keeps_logits else {}
+        out = self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            use_cache=False,
+            **kwargs,
+        )
+        logits = out.logits[:, -(T + 1) : -1]  # (B, T, V)
+        hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # (B, T, H)
+        values = self.v_head(hidden).squeeze(-1)  # (B, T)
+        return logits, values
+
+
+def reference_logits(
+    ref: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int
+) -> torch.Tensor:
+    """Logits (B, T, V) of the frozen reference policy for the response tokens."""
+    T = response_len
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    kwargs = {"logits_to_keep": T + 1} if "logits_to_keep" in inspect.signature(ref.forward).parameters else {}
+    out = ref(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs)
+    return out.logits[:, -(T + 1) : -1]
+
+
+@dataclass
+class LoadedModels:
+    policy: PolicyWithValueHead
+    ref: nn.Module
+    tokenizer: object
+    max_positions: int | None
+
+
+def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    path = Path(cfg.tokenizer_path or cfg.path)
+    key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
+    if not path.is_dir():
+        raise ModelLoadError(f"{key}: folder not found: {path}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many kinds here; the message is what matters
+        raise ModelLoadError(
+            f"{key}: no usable tokenizer in {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"save one there with tokenizer.save_pretrained() or set model.tokenizer_path"
+        ) from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ModelLoadError(f"{key}: the tokenizer in {path} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # prompts are left-padded so every response starts at the same column
+    return tok
+
+
+def check_model_folder(cfg: ModelConfig) -> None:
+    """Cheap checks that run before anything heavy is loaded."""
+    if not cfg.path:
+        raise ConfigError("model.path is required (a local Hugging Face model folder)")
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model.path: folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model.path: {path} has no config.json (not a saved Hugging Face model)")
+
+
+def load_models(cfg: ModelConfig, seed: int) -> LoadedModels:
+    from transformers import AutoModelForCausalLM
+
+    check_model_folder(cfg)
+    tok = load_tokenizer(cfg)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=_DTYPES[cfg.dtype])
+    except Exception as e:
+        raise ModelLoadError(f"model.path: could not load a causal LM from {cfg.path}: {e}") from None
+    # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
+    # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
+    lm.eval()
+    ref = copy.deepcopy(lm).eval().requires_grad_(False)
+    policy = PolicyWithValueHead(lm, cfg.value_head_std, seed).eval()
+    text_cfg = lm.config.get_text_config()
+    max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+    return LoadedModels(policy=policy, ref=ref, tokenizer=tok, max_positions=max_pos)

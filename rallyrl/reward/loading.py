@@ -1,0 +1,61 @@
+"""Resolve reward functions from import paths (``pkg.mod:attr`` or ``path/to/file.py:attr``)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class ImportPathError(ValueError):
+    """An import path does not name a callable."""
+
+
+def load_object(spec: str, what: str = "reward.fn") -> Any:
+    if ":" not in spec:
+        raise ImportPathError(f"{what}: {spec!r} must look like 'package.module:attr' or 'path/to/file.py:attr'")
+    mod_part, attr = spec.rsplit(":", 1)
+    if mod_part.endswith(".py"):
+        path = Path(mod_part)
+        if not path.is_file():
+            raise ImportPathError(f"{what}: file not found: {path}")
+        name = f"rallyrl_user_{abs(hash(str(path.resolve())))}"
+        if name in sys.modules:
+            module = sys.modules[name]
+        else:
+            mspec = importlib.util.spec_from_file_location(name, path)
+            assert mspec and mspec.loader
+            module = importlib.util.module_from_spec(mspec)
+            sys.modules[name] = module
+            # The file's folder goes on sys.path so it can import its neighbours.
+            sys.path.insert(0, str(path.resolve().parent))
+            try:
+                mspec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[name]
+                raise ImportPathError(f"{what}: importing {path} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(mod_part)
+        except Exception as e:
+            raise ImportPathError(f"{what}: cannot import module {mod_part!r}: {type(e).__name__}: {e}") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImportPathError(f"{what}: {mod_part!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def load_callable(spec: str, what: str = "reward.fn", kwargs: dict[str, Any] | None = None) -> Callable:
+    obj = load_object(spec, what)
+    if not callable(obj):
+        raise ImportPathError(f"{what}: {spec!r} is a {type(obj).__name__}, not callable")
+    if kwargs:
+        obj = obj(**kwargs)
+        if not callable(obj):
+            raise ImportPathError(f"{what}: {spec!r}(**kwargs) returned a {type(obj).__name__}, not a callable")
+    return obj

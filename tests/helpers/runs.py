@@ -1,0 +1,47 @@
+"""Helpers to write configs and launch real multi-process runs (gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def base_config(model: Path, run_dir: Path, **sections) -> dict:
+    cfg = {
+        "model": {"path": str(model)},
+        "data": {"prompts": ["the cat", "a dog", "good morning", "what a", "i like", "the sun", "we walk",
+                             "birds sing", "my friend", "the rain"]},
+        "train": {"run_dir": str(run_dir), "iterations": 2, "seed": 3, "progress": False, "num_threads": 1},
+        "rollout": {"num_rollouts": 7, "chunk_size": 2},
+        "generation": {"max_new_tokens": 6},
+        "ppo": {"epochs": 2, "num_minibatches": 2, "lr": 1e-3},
+        "reward": {"fn": "tests.helpers.rewards:hashed"},
+    }
+    for k, v in sections.items():
+        cfg.setdefault(k, {}).update(v)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+              "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")})
+    e.update(extra)
+    return e
+
+
+def rallyrl_train(config: Path, nproc: int, *extra_args: str, timeout: float = 240, **env_extra: str):
+    """`rallyrl train CONFIG --nproc N` as a user runs it; returns the CompletedProcess."""
+    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(config), "--nproc", str(nproc), *extra_args]
+    return subprocess.run(cmd, cwd=ROOT, env=env(**env_extra), capture_output=True, text=True, timeout=timeout)
