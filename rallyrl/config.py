@@ -71,6 +71,9 @@ class TrainConfig:
     progress: bool = _f(True, "Show a progress bar on the main rank.")
     save_final: bool = _f(True, "Save the final policy (no value head) and tokenizer to `run_dir/final/`.")
     num_threads: int = _f(0, "torch intra-op threads per process (0 = cores / local processes).")
+    resume: str | None = _f(
+        None, "Resume from `latest` (newest valid checkpoint in `run_dir/checkpoints/`) or a checkpoint folder."
+    )
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import checkpoint as ckpt
 from . import dist, ops
 from .config import BatchPlan, Config, ConfigError, load_config, make_batch_plan, reward_fn_name, split_evenly
 from .data import PromptSampler, load_prompts
@@ -398,6 +399,7 @@ def train(
         shuffle_gen=torch.Generator().manual_seed(rank_seed(cfg.train.seed + 1, R)),
     )
     run_dir = Path(cfg.train.run_dir)
+    resumed_from = _maybe_resume(cfg, run_dir, models, optimizer, scheduler, state) if cfg.train.resume else None
     writer = RunWriter(run_dir, cfg.train.tensorboard) if dist.is_main() else None
     if writer:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -417,7 +419,10 @@ def train(
         return metrics
 
     try:
-        result.eval_before = run_eval(0)
+        if resumed_from is None:
+            result.eval_before = run_eval(0)
+        else:
+            _say(f"resumed from {resumed_from} at iteration {state.iteration}")
         bar = _progress(cfg, state.iteration)
         for it in range(state.iteration, cfg.train.iterations):
             step = it + 1
@@ -459,6 +464,11 @@ def train(
                 writer.log_metrics(step, metrics)
                 result.metrics.append(metrics)
             _summary(bar, step, cfg.train.iterations, metrics)
+
+            # 7. checkpoint (collective; atomic)
+            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                ckpt.save_checkpoint(run_dir, step, models.policy, optimizer, _state_dict(state, scheduler),
+                                     state.shuffle_gen, cfg.checkpoint.keep_last)
         if bar is not None:
             bar.close()
         result.eval_after = result.metrics[-1] if result.metrics and eval_records else {}
@@ -475,6 +485,55 @@ def train(
 
 # ------------------------------------------------------------------------------------------------
 # helpers of the recipe
+
+
+def _state_dict(state: TrainState, scheduler: Any) -> dict[str, Any]:
+    """Everything except weights, optimizer and RNG that the next iteration depends on (JSON-able)."""
+    sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    return {"iteration": state.iteration, "optimizer_steps": state.optimizer_steps,
+            "kl_ctl": state.kl_ctl.state_dict(), "reward_moments": state.reward_moments.state_dict(),
+            "sampler": state.sampler.state_dict(), "scheduler": sched}
+
+
+def _maybe_resume(cfg: Config, run_dir: Path, models: LoadedModels, optimizer: Any, scheduler: Any,
+                  state: TrainState) -> Path:
+    """Restore the run from a checkpoint; the main rank picks it so every rank loads the same one."""
+    chosen: tuple[str, Any] = ("ok", None)
+    if dist.is_main():
+        try:
+            chosen = ("ok", str(ckpt.resolve_resume(run_dir, cfg.train.resume or "latest")))
+        except ckpt.CheckpointError as e:
+            chosen = ("error", str(e))
+    status, path_s = dist.broadcast_object(chosen)
+    if status == "error":
+        raise ckpt.CheckpointError(path_s)
+    path = Path(path_s)
+    saved = ckpt.load_checkpoint(path, models.policy, optimizer, state.shuffle_gen)
+    state.iteration = saved["iteration"]
+    state.optimizer_steps = saved["optimizer_steps"]
+    state.kl_ctl.load_state_dict(saved["kl_ctl"])
+    state.reward_moments.load_state_dict(saved["reward_moments"])
+    state.sampler.load_state_dict(saved["sampler"])
+    scheduler.load_state_dict({**scheduler.state_dict(), **saved["scheduler"]})
+    if dist.is_main():
+        # A killed run may have logged iterations after its last checkpoint: drop them, so the logs
+        # continue without duplicate or missing steps.
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            _truncate_log(run_dir / name, state.iteration)
+    dist.barrier()
+    return path
+
+
+def _truncate_log(path: Path, last_step: int) -> None:
+    import json as _json
+
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.strip() and _json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _required(v: Any, key: str) -> Any:

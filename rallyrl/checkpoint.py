@@ -1,0 +1,298 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is a folder ``run_dir/checkpoints/step_<N>/``:
+
+    policy.safetensors        policy + value-head weights (tied weights handled by safetensors)
+    optimizer.safetensors     optimizer tensors (Adam moments, step counters)
+    optimizer.json            the rest of the optimizer state (param groups), tensors by reference
+    trainer_state.json        iteration, optimizer steps, LR scheduler, KL controller, running reward
+                              moments, prompt-sampler position, world size
+    rng_rank<R>.safetensors   rank R's RNG states (torch CPU/CUDA, minibatch-shuffle generator)
+    rng_rank<R>.json          rank R's python and numpy RNG states
+    manifest.json             size and sha256 of every file above; written last
+
+Why it is built this way:
+- **Atomic**: everything is written into ``.tmp_step_<N>``, flushed and fsynced, and only then renamed to
+  ``step_<N>``. A crash mid-save leaves a ``.tmp_*`` folder that is never read, never a half-written
+  checkpoint under a final name.
+- **Verifiable**: the manifest's checksums detect truncated, missing or corrupted files; a checkpoint
+  without a valid manifest is refused with an error naming what is wrong.
+- **Safe to load**: only safetensors and JSON are read; nothing is unpickled.
+- **Exact**: every piece of state that influences later iterations is saved, including each rank's RNG
+  streams, so a resumed run is the same run (final weights bit-identical on CPU).
+
+On several nodes, ``train.run_dir`` must be on storage shared by all nodes (every rank writes its RNG
+state into the checkpoint folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from . import dist
+
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt, or does not fit this run."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Nested state <-> (JSON, tensors): lets optimizer/RNG state go to safetensors + JSON without pickle
+
+
+def split_tensors(obj: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(o: Any, path: str) -> Any:
+        if isinstance(o, torch.Tensor):
+            tensors[path] = o.detach().cpu().contiguous()
+            return {"__tensor__": path}
+        if isinstance(o, dict):
+            # JSON keys are strings; remember int keys (optimizer state is keyed by param index)
+            return {"__dict__": [[k, walk(v, f"{path}.{k}")] for k, v in o.items()]}
+        if isinstance(o, (list, tuple)):
+            return {"__list__" if isinstance(o, list) else "__tuple__": [walk(v, f"{path}.{i}") for i, v in enumerate(o)]}
+        if isinstance(o, np.ndarray):
+            return {"__ndarray__": o.tolist(), "dtype": str(o.dtype)}
+        if isinstance(o, (np.integer, np.floating)):
+            return o.item()
+        if o is None or isinstance(o, (bool, int, float, str)):
+            return o
+        raise CheckpointError(f"cannot checkpoint a {type(o).__name__} at {path or '<root>'}")
+
+    return walk(obj, prefix or "t"), tensors
+
+
+def join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {k: join_tensors(v, tensors) for k, v in obj["__dict__"]}
+        if "__list__" in obj:
+            return [join_tensors(v, tensors) for v in obj["__list__"]]
+        if "__tuple__" in obj:
+            return tuple(join_tensors(v, tensors) for v in obj["__tuple__"])
+        if "__ndarray__" in obj:
+            return np.array(obj["__ndarray__"], dtype=obj["dtype"])
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------
+# files
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _fsync_write(path, json.dumps(obj, indent=1).encode())
+
+
+def _save_split(base: Path, obj: Any) -> None:
+    meta, tensors = split_tensors(obj)
+    save_file(tensors, str(base.with_suffix(".safetensors")))
+    _fsync_file(base.with_suffix(".safetensors"))
+    _write_json(base.with_suffix(".json"), meta)
+
+
+def _load_split(base: Path) -> Any:
+    meta = json.loads(base.with_suffix(".json").read_text())
+    tensors = load_file(str(base.with_suffix(".safetensors")))
+    return join_tensors(meta, tensors)
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG state of this rank
+
+
+def rank_rng_state(shuffle_gen: torch.Generator) -> dict[str, Any]:
+    py = random.getstate()
+    npst = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], npst[1], int(npst[2]), int(npst[3]), float(npst[4])],
+        "torch": torch.get_rng_state(),
+        "shuffle": shuffle_gen.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def restore_rank_rng_state(state: dict[str, Any], shuffle_gen: torch.Generator) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    shuffle_gen.set_state(state["shuffle"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# save
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    shuffle_gen: torch.Generator,
+    keep_last: int,
+) -> Path | None:
+    """Collective: every rank calls it. Returns the final folder on the main rank."""
+    root = checkpoint_dir(run_dir)
+    tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
+    if dist.is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left over from a crash during an earlier save
+        tmp.mkdir()
+    dist.barrier()
+    _save_split(tmp / f"rng_rank{dist.rank()}", rank_rng_state(shuffle_gen))
+    dist.barrier()
+    if dist.is_main():
+        save_model(policy, str(tmp / "policy.safetensors"))
+        _fsync_file(tmp / "policy.safetensors")
+        _save_split(tmp / "optimizer", optimizer.state_dict())
+        _write_json(tmp / "trainer_state.json", {**trainer_state, "world_size": dist.world_size(),
+                                                 "format": FORMAT_VERSION})
+        files = sorted(p.name for p in tmp.iterdir())
+        manifest = {"format": FORMAT_VERSION, "step": step,
+                    "files": {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files}}
+        _write_json(tmp / "manifest.json", manifest)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): replace atomically enough
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep_last)
+    dist.barrier()
+    return final if dist.is_main() else None
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    for _, p in _steps(root)[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# verify / find / load
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check the manifest and every file's size and checksum; returns the manifest or raises."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    mpath = path / "manifest.json"
+    if not mpath.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: manifest.json is missing")
+    try:
+        manifest = json.loads(mpath.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: manifest.json is corrupt ({e})") from None
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+        if f.stat().st_size != info["size"]:
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has {f.stat().st_size} bytes, the manifest says {info['size']} (truncated?)"
+            )
+        if _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: checksum mismatch in {name} (file is corrupt)")
+    return manifest
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path:
+    """``latest`` -> the newest VALID checkpoint (warning about newer invalid ones); else a path."""
+    if resume != "latest":
+        p = Path(resume)
+        verify_checkpoint(p)
+        return p
+    root = checkpoint_dir(run_dir)
+    candidates = _steps(root)
+    if not candidates:
+        raise CheckpointError(f"train.resume=latest: no checkpoint in {root}")
+    for _, p in reversed(candidates):
+        try:
+            verify_checkpoint(p)
+            return p
+        except CheckpointError as e:
+            warnings.warn(f"skipping invalid checkpoint: {e}", stacklevel=2)
+            if dist.is_main():
+                print(f"rallyrl: warning: skipping invalid checkpoint: {e}", flush=True)
+    raise CheckpointError(f"train.resume=latest: no valid checkpoint in {root}")
+
+
+def load_checkpoint(
+    path: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, shuffle_gen: torch.Generator
+) -> dict[str, Any]:
+    """Restore weights, optimizer and this rank's RNG; returns the trainer state dict."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state["world_size"] != dist.world_size():
+        raise CheckpointError(
+            f"checkpoint {path} was written by {state['world_size']} processes; this run has "
+            f"{dist.world_size()} (every rank's RNG stream is part of the checkpoint)"
+        )
+    missing, unexpected = load_model(policy, str(path / "policy.safetensors"), strict=True)
+    optimizer.load_state_dict(_load_split(path / "optimizer"))
+    restore_rank_rng_state(_load_split(path / f"rng_rank{dist.rank()}"), shuffle_gen)
+    return state

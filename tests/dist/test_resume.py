@@ -1,0 +1,76 @@
+"""Exact resume after SIGKILL of every process mid-iteration, and a dead worker ending the job."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rallyrl.tracking import read_jsonl
+from tests.helpers.runs import ROOT, base_config, env, rallyrl_train, write_config
+
+pytestmark = pytest.mark.dist
+
+
+def _cfg(model, run_dir):
+    return base_config(model, run_dir, train={"iterations": 4},
+                       checkpoint={"interval": 1, "keep_last": 2},
+                       ppo={"target_kl": 0.5, "reward_scaling": "running"},
+                       reward={"fn": "tests.helpers.rewards:hashed_with_crashes"})
+
+
+def test_resume_after_sigkill_is_bit_identical(tiny_model, tmp_path):
+    # the reference: an uninterrupted 2-process run
+    ref = rallyrl_train(write_config(tmp_path / "a.yaml", _cfg(tiny_model, tmp_path / "A")), 2)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    # the same run, with every process (CLI, launcher, both ranks) SIGKILLed in the middle of iteration
+    # 3: 2 chunk rounds per iteration, so reward call 6 is the 2nd round of iteration 3
+    cfg_b = write_config(tmp_path / "b.yaml", _cfg(tiny_model, tmp_path / "B"))
+    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(cfg_b), "--nproc", "2"]
+    e = env(RALLYRL_TEST_PAUSE_AT="6", RALLYRL_TEST_COUNTER=str(tmp_path / "calls"))
+    victim = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "calls.paused").exists():
+        assert victim.poll() is None and time.monotonic() < deadline, "run ended before the kill point"
+        time.sleep(0.2)
+    subprocess.run(["pkill", "-KILL", "-f", str(cfg_b)], check=True)  # every process started for this run
+    assert victim.wait(timeout=30) == -9
+    ckpts = sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir())
+    assert ckpts == ["step_1", "step_2"], ckpts  # step_3 was never completed
+    assert [m["step"] for m in read_jsonl(tmp_path / "B" / "metrics.jsonl")] == [1, 2]
+
+    resumed = subprocess.run(cmd + ["--set", "train.resume=latest"], cwd=ROOT, env=e, capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+
+    a = load_file(tmp_path / "A" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "B" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # logs continue without duplicate or missing steps, and are the uninterrupted run's logs
+    ma, mb = read_jsonl(tmp_path / "A" / "metrics.jsonl"), read_jsonl(tmp_path / "B" / "metrics.jsonl")
+    assert [m["step"] for m in mb] == [1, 2, 3, 4]
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}  # noqa: E731
+    assert [strip(m) for m in ma] == [strip(m) for m in mb]
+    assert read_jsonl(tmp_path / "A" / "rollouts.jsonl") == read_jsonl(tmp_path / "B" / "rollouts.jsonl")
+    # keep_last=2
+    assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir()) == ["step_3", "step_4"]
+
+
+def test_dead_worker_ends_the_job_quickly_and_names_the_rank(tiny_model, tmp_path):
+    cfg = base_config(tiny_model, tmp_path / "run", reward={"fn": "tests.helpers.rewards:hashed_with_crashes",
+                                                           "placement": "local"},
+                      dist={"timeout_s": 300.0})
+    t0 = time.monotonic()
+    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, RALLYRL_TEST_KILL_RANK="1")
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert elapsed < 90, elapsed  # far below the 300 s collective timeout: nobody waited for it
+    text = proc.stdout + proc.stderr
+    assert "rank 1" in text or "rank: 1" in text, text[-3000:]
+    assert "SIGKILL" in text or "Signals.SIGKILL" in text or "exitcode" in text, text[-3000:]

@@ -1,0 +1,133 @@
+"""Checkpoint contents, atomicity, validation of corrupt checkpoints, and single-process exact resume."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rallyrl
+from rallyrl.checkpoint import CheckpointError, join_tensors, resolve_resume, split_tensors, verify_checkpoint
+from rallyrl.tracking import read_jsonl
+from tests.helpers.runs import base_config
+
+pytestmark = pytest.mark.smoke
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
+    cfg = base_config(tiny_model, run_dir, train={"iterations": 3}, checkpoint={"interval": 1, "keep_last": 2},
+                      ppo={"target_kl": 1.0})
+    rallyrl.train(cfg)
+    return run_dir, cfg
+
+
+def test_checkpoint_layout_and_keep_last(run):
+    run_dir, _ = run
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_3"]
+    files = sorted(p.name for p in (root / "step_3").iterdir())
+    assert files == ["manifest.json", "optimizer.json", "optimizer.safetensors", "policy.safetensors",
+                     "rng_rank0.json", "rng_rank0.safetensors", "trainer_state.json"]
+    # nothing that would need unpickling
+    assert all(f.endswith((".json", ".safetensors")) for f in files)
+    state = json.loads((root / "step_3" / "trainer_state.json").read_text())
+    assert state["iteration"] == 3 and state["optimizer_steps"] == 3 * 2 * 2
+    assert set(state) >= {"kl_ctl", "reward_moments", "sampler", "scheduler", "world_size"}
+    weights = load_file(root / "step_3" / "policy.safetensors")
+    assert any(k.startswith("v_head") for k in weights)  # value head is in the checkpoint
+    assert verify_checkpoint(root / "step_3")["step"] == 3
+
+
+def _copy(run_dir, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(run_dir, dst)
+    return dst
+
+
+def test_truncated_file_is_refused_and_latest_falls_back(run, tmp_path):
+    run_dir = _copy(run[0], tmp_path)
+    bad = run_dir / "checkpoints" / "step_3" / "policy.safetensors"
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"step_3.*policy\.safetensors.*truncated"):
+        verify_checkpoint(bad.parent)
+    with pytest.warns(UserWarning, match="skipping invalid checkpoint.*step_3"):
+        assert resolve_resume(run_dir, "latest").name == "step_2"
+    with pytest.raises(CheckpointError, match="policy.safetensors"):
+        resolve_resume(run_dir, str(bad.parent))  # an explicit path is never silently replaced
+
+
+def test_checksum_mismatch_and_missing_files(run, tmp_path):
+    run_dir = _copy(run[0], tmp_path)
+    step3 = run_dir / "checkpoints" / "step_3"
+    data = bytearray((step3 / "optimizer.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    (step3 / "optimizer.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in optimizer\.safetensors"):
+        verify_checkpoint(step3)
+    step2 = run_dir / "checkpoints" / "step_2"
+    (step2 / "rng_rank0.json").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete: rng_rank0\.json is missing"):
+        verify_checkpoint(step2)
+    (step2 / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        verify_checkpoint(step2)
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        resolve_resume(run_dir, "latest")
+
+
+def test_leftover_tmp_folder_is_ignored(run, tmp_path):
+    run_dir = _copy(run[0], tmp_path)
+    (run_dir / "checkpoints" / ".tmp_step_4").mkdir()  # a save interrupted by a crash
+    assert resolve_resume(run_dir, "latest").name == "step_3"
+
+
+def test_resume_continues_to_the_same_weights(run, tiny_model, tmp_path):
+    """Resume from step 2 of the reference run into a fresh run dir: same final weights, same logs."""
+    run_dir, cfg = run
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    # logs as a killed run would leave them: step 3 was logged but never checkpointed
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        shutil.copy(run_dir / name, resumed / name)
+    cfg2 = base_config(tiny_model, resumed, train={"iterations": 3, "resume": "latest"},
+                       checkpoint={"interval": 1, "keep_last": 2}, ppo={"target_kl": 1.0})
+    rallyrl.train(cfg2)
+    a = load_file(run_dir / "final" / "model.safetensors")
+    b = load_file(resumed / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [1, 2, 3]
+    assert read_jsonl(resumed / "rollouts.jsonl") == read_jsonl(run_dir / "rollouts.jsonl")
+
+
+def test_resume_with_another_world_size_is_refused(run, tiny_model, tmp_path):
+    import hashlib
+
+    run_dir, _ = run
+    step = tmp_path / "step_2"
+    shutil.copytree(run_dir / "checkpoints" / "step_2", step)
+    state = json.loads((step / "trainer_state.json").read_text())
+    state["world_size"] = 2
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="trainer_state.json"):
+        verify_checkpoint(step)  # the manifest catches the edit...
+    manifest = json.loads((step / "manifest.json").read_text())
+    data = (step / "trainer_state.json").read_bytes()
+    manifest["files"]["trainer_state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    cfg = base_config(tiny_model, tmp_path / "r", train={"iterations": 3, "resume": str(step)})
+    with pytest.raises(CheckpointError, match="written by 2 processes; this run has 1"):
+        rallyrl.train(cfg)  # ...and a consistent checkpoint from another world size is refused
+
+
+def test_split_join_roundtrip_keeps_types():
+    obj = {"state": {0: {"step": torch.tensor(3.0), "m": torch.ones(2)}}, "groups": [{"lr": 1e-3, "params": [0]}],
+           "py": (3, [1, 2], None)}
+    meta, tensors = split_tensors(obj)
+    json.dumps(meta)  # JSON-able
+    back = join_tensors(json.loads(json.dumps(meta)), tensors)
+    assert list(back["state"]) == [0] and torch.equal(back["state"][0]["m"], torch.ones(2))
+    assert back["groups"] == [{"lr": 1e-3, "params": [0]}] and back["py"] == (3, [1, 2], None)
