@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -63,14 +64,14 @@ class TrainConfig:
     seed: int = _f(0, "Seed of everything (model init, prompt order; sampling is seeded per rank from it).")
     run_dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, rollouts.jsonl, final/.")
     iterations: int = _f(10, "PPO iterations (collect `rollout.num_rollouts` samples, then update).")
-    eval_interval: int = _f(
-        0, "Evaluate every N iterations (0 = only before the first and after the last iteration)."
-    )
     log_rollouts: bool = _f(True, "Write every training sample to `rollouts.jsonl`.")
     tensorboard: bool = _f(False, "Also log metrics to TensorBoard under `run_dir/tensorboard/`.")
     progress: bool = _f(True, "Show a progress bar on the main rank.")
     save_final: bool = _f(True, "Save the final policy (no value head) and tokenizer to `run_dir/final/`.")
     num_threads: int = _f(0, "torch intra-op threads per process (0 = cores / local processes).")
+    overwrite: bool = _f(
+        False, "Start a fresh run in a `run_dir` that holds an earlier run, deleting its outputs."
+    )
     resume: str | None = _f(
         None, "Resume from `latest` (newest valid checkpoint in `run_dir/checkpoints/`) or a checkpoint folder."
     )
@@ -92,7 +93,6 @@ class GenerationConfig:
     stop_sequences: list[str] = _f(
         [], "Strings that end a response: tokens after the one completing the string are dropped."
     )
-    eval_do_sample: bool = _f(False, "Sample during evaluation (False = greedy, deterministic metrics).")
 
 
 @dataclass
@@ -154,6 +154,21 @@ class RewardConfig:
 
 
 @dataclass
+class EvalConfig:
+    interval: int = _f(
+        0, "Evaluate every N iterations (0 = only before the first and after the last iteration)."
+    )
+    do_sample: bool = _f(
+        False, "Sample during evaluation with the `generation` settings (False = greedy, deterministic)."
+    )
+    metric_fn: str | None = _f(
+        None,
+        "Import path of `metric_fn(samples, prompts, outputs, **kwargs) -> {name: per-sample values}`, "
+        "logged as `eval/<name>`; or pass `metric_fn=` to `rallyrl.train`.",
+    )
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = _f(0, "Save a checkpoint every N iterations (0 = off).")
     keep_last: int = _f(2, "How many checkpoints to keep.")
@@ -173,6 +188,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
@@ -203,6 +219,9 @@ def _type_name(tp: Any) -> str:
     if dataclasses.is_dataclass(tp):
         return "mapping"
     return getattr(tp, "__name__", str(tp))
+
+
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)$")
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -253,6 +272,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            # YAML 1.1 (PyYAML) reads "3e-4" as a string; every user means the number.
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
         return float(value)
@@ -299,12 +321,6 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             parsed = yaml.safe_load(v) if v != "" else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"--set {k}: value {v!r} is not valid YAML: {e}") from None
-        # YAML 1.1 reads "3e-4" as a string; users mean a number.
-        if isinstance(parsed, str):
-            try:
-                parsed = float(parsed) if any(c in parsed.lower() for c in ".e") else parsed
-            except ValueError:
-                pass
         out.append((k.strip(), parsed))
     return out
 
@@ -362,7 +378,7 @@ def validate(cfg: Config) -> None:
     if any(s == "" for s in cfg.generation.stop_sequences):
         raise ConfigError("generation.stop_sequences must not contain an empty string")
     positive("train.iterations", cfg.train.iterations, allow_zero=True)
-    positive("train.eval_interval", cfg.train.eval_interval, allow_zero=True)
+    positive("eval.interval", cfg.eval.interval, allow_zero=True)
     positive("train.num_threads", cfg.train.num_threads, allow_zero=True)
     positive("ppo.epochs", cfg.ppo.epochs)
     positive("ppo.num_minibatches", cfg.ppo.num_minibatches)

@@ -17,6 +17,8 @@ from torch import nn
 from .config import ConfigError, ModelConfig
 from .seeding import shared_generator
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                    "spiece.model")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,6 +94,11 @@ def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
     key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
     if not path.is_dir():
         raise ModelLoadError(f"{key}: folder not found: {path}")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{key}: no tokenizer in {path} (none of {', '.join(_TOKENIZER_FILES)}); save one there with "
+            f"tokenizer.save_pretrained() or set model.tokenizer_path"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many kinds here; the message is what matters
@@ -99,6 +106,8 @@ def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
             f"{key}: no usable tokenizer in {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
             f"save one there with tokenizer.save_pretrained() or set model.tokenizer_path"
         ) from None
+    if len(tok) <= 1:
+        raise ModelLoadError(f"{key}: the tokenizer in {path} has an empty vocabulary")
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ModelLoadError(f"{key}: the tokenizer in {path} has neither a pad nor an eos token")

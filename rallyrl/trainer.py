@@ -303,7 +303,7 @@ def evaluate(
     # Evaluation must not move the training sampling stream (same guarantee as the reward step).
     with isolated_rng():
         ro, _, _ = collect_rollouts(models, reward_step, records, query_ids, mine, offset, rounds,
-                                    cfg.rollout.chunk_size, cfg, device, cfg.generation.eval_do_sample)
+                                    cfg.rollout.chunk_size, cfg, device, cfg.eval.do_sample)
     local = [{"index": i, "prompt": p, "output": o, "reward": float(ro.scores[k])
               + (float(ro.dense_scores[k].sum()) if ro.dense_scores is not None else 0.0),
               "output_token_ids": ro.response_ids[k][ro.response_mask[k]].tolist(), "metadata": md}
@@ -364,8 +364,12 @@ def train(
     records = load_prompts(prompts if prompts is not None else _required(cfg.data.prompts, "data.prompts"),
                            "prompts" if prompts is not None else "data.prompts")
     eval_src = eval_prompts if eval_prompts is not None else cfg.data.eval_prompts
-    eval_records = load_prompts(eval_src, "eval_prompts") if eval_src is not None else []
+    eval_records = (load_prompts(eval_src, "eval_prompts" if eval_prompts is not None else "data.eval_prompts")
+                    if eval_src is not None else [])
     reward_fns = resolve_reward_fns(cfg, reward_fn)
+    if metric_fn is None and cfg.eval.metric_fn:
+        metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
+    _check_run_dir(cfg)
     check_model_folder(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     max_pos = _max_positions(cfg.model.path)
@@ -400,6 +404,9 @@ def train(
     )
     run_dir = Path(cfg.train.run_dir)
     resumed_from = _maybe_resume(cfg, run_dir, models, optimizer, scheduler, state) if cfg.train.resume else None
+    if resumed_from is None and cfg.train.overwrite and dist.is_main():
+        _clear_run_dir(run_dir)
+    dist.barrier()
     writer = RunWriter(run_dir, cfg.train.tensorboard) if dist.is_main() else None
     if writer:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -454,8 +461,9 @@ def train(
             metrics.update({"time/rollout": t_rollout, "time/update": t_update,
                             "time/reward_gather": rstats.time_gather,
                             "lr": scheduler.get_last_lr()[0]})
-            _log_rollouts(writer, ro, step, R)
-            if eval_records and ((cfg.train.eval_interval and step % cfg.train.eval_interval == 0)
+            if cfg.train.log_rollouts:
+                _log_rollouts(writer, ro, step, R)
+            if eval_records and ((cfg.eval.interval and step % cfg.eval.interval == 0)
                                  or step == cfg.train.iterations):
                 metrics.update(run_eval(step))
             state.iteration = step
@@ -534,6 +542,32 @@ def _truncate_log(path: Path, last_step: int) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
+
+
+_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "config.yaml", "eval", "checkpoints", "final", "tensorboard")
+
+
+def _check_run_dir(cfg: Config) -> None:
+    """Never append a fresh run to an earlier run's logs (that would silently mix two runs)."""
+    run_dir = Path(cfg.train.run_dir)
+    if cfg.train.resume or cfg.train.overwrite:
+        return
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(
+            f"train.run_dir {run_dir} already holds a run; resume it with train.resume=latest, start over "
+            f"with train.overwrite=true, or choose another train.run_dir"
+        )
+
+
+def _clear_run_dir(run_dir: Path) -> None:
+    import shutil
+
+    for name in _RUN_OUTPUTS:
+        p = run_dir / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
 
 
 def _required(v: Any, key: str) -> Any:

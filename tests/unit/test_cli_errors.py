@@ -1,0 +1,320 @@
+"""Bad input through the CLI: exit code 2, an error naming the key / path, and nothing started.
+
+Runs ``rallyrl.cli.main([...])`` in-process (capsys captures stderr). "Before training starts" is checked
+two ways: the run directory is never created, and loading the models or starting the process group
+fails the test (both are patched to raise).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rallyrl.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Started(AssertionError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def nothing_heavy_starts(monkeypatch):
+    """Every error here must be found before models are loaded or processes are started."""
+
+    def boom(*args, **kwargs):
+        raise _Started("training was started before the bad input was detected")
+
+    monkeypatch.setattr("rallyrl.trainer.load_models", boom)
+    monkeypatch.setattr("rallyrl.dist.init_accelerator", boom)
+    monkeypatch.setattr("subprocess.call", boom)  # --nproc N re-launches through torch.distributed.run
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def write_cfg(tmp_path, tiny_model, run_dir):
+    """Write a valid config, its sections extended by (or, with ``replace=True``, replaced by) the given
+    ones (None drops a section), and return its path."""
+
+    def write(replace: bool = False, **sections) -> Path:
+        cfg = {
+            "model": {"path": str(tiny_model)},
+            "data": {"prompts": ["the cat", "a dog"]},
+            "train": {"run_dir": str(run_dir), "iterations": 1, "num_threads": 1, "progress": False},
+            "rollout": {"num_rollouts": 2, "chunk_size": 2},
+            "generation": {"max_new_tokens": 4},
+            "reward": {"fn": "tests.helpers.rewards:hashed"},
+        }
+        for name, values in sections.items():
+            if values is None:
+                cfg.pop(name, None)
+            else:
+                cfg[name] = dict(values) if replace else {**cfg.get(name, {}), **values}
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    return write
+
+
+def cli(capsys, *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+def assert_user_error(rc: int, err: str, *needles: str) -> None:
+    assert rc == 2, err
+    assert err.startswith("rallyrl: error: "), err
+    for n in needles:
+        assert n in err, f"{n!r} not in stderr: {err}"
+    assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------------------------
+# the config file itself
+
+
+def test_missing_config_file(capsys, tmp_path):
+    path = tmp_path / "missing.yaml"
+    for argv in (["train", str(path)], ["train", str(path), "--nproc", "2"], ["check", str(path)]):
+        assert_user_error(*cli(capsys, *argv), str(path))
+
+
+def test_missing_config_file_through_the_real_entry_point(tmp_path):
+    path = tmp_path / "missing.yaml"
+    p = subprocess.run([sys.executable, "-m", "rallyrl.cli", "train", str(path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert p.returncode == 2, p.stderr
+    assert str(path) in p.stderr and "Traceback" not in p.stderr
+
+
+def test_unknown_key(capsys, write_cfg, run_dir):
+    assert_user_error(*cli(capsys, "train", str(write_cfg(ppo={"lrr": 1e-3}))), "'ppo.lrr'", "'ppo.lr'")
+    assert not run_dir.exists()
+
+
+def test_bad_override(capsys, write_cfg, run_dir):
+    path = str(write_cfg())
+    assert_user_error(*cli(capsys, "train", path, "--set", "rollout.chunk_size=x"), "rollout.chunk_size")
+    assert_user_error(*cli(capsys, "train", path, "--set", "ppo.lrr=3e-4"), "'ppo.lrr'")
+    assert_user_error(*cli(capsys, "check", path, "--set", "ppo.lr"), "ppo.lr")
+    assert not run_dir.exists()
+
+
+def test_check_prints_the_resolved_config(capsys, write_cfg):
+    rc = main(["check", str(write_cfg()), "--set", "ppo.lr=3e-4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert yaml.safe_load(out)["ppo"]["lr"] == pytest.approx(3e-4)
+
+
+@pytest.mark.parametrize(
+    "sections, key",
+    [
+        ({"rollout": {"chunk_size": 0}}, "rollout.chunk_size"),
+        ({"rollout": {"num_rollouts": 0}}, "rollout.num_rollouts"),
+        ({"reward": {"placement": "mian"}}, "reward.placement"),
+    ],
+)
+def test_bad_values(capsys, write_cfg, run_dir, sections, key):
+    assert_user_error(*cli(capsys, "train", str(write_cfg(**sections))), key)
+    assert not run_dir.exists()
+
+
+def test_nproc_zero(capsys, write_cfg, run_dir):
+    assert_user_error(*cli(capsys, "train", str(write_cfg()), "--nproc", "0"), "--nproc")
+    assert not run_dir.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# prompts
+
+
+def test_missing_prompts_file(capsys, write_cfg, run_dir, tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"prompts": str(missing)}))),
+                      "data.prompts", str(missing))
+    assert not run_dir.exists()
+
+
+def test_missing_eval_prompts_file(capsys, write_cfg, run_dir, tmp_path):
+    missing = tmp_path / "eval.jsonl"
+    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"eval_prompts": str(missing)}))),
+                      "eval_prompts", str(missing))
+    assert not run_dir.exists()
+
+
+def test_prompts_unset(capsys, write_cfg, run_dir):
+    assert_user_error(*cli(capsys, "train", str(write_cfg(data=None))), "data.prompts")
+    assert not run_dir.exists()
+
+
+def test_malformed_prompts_jsonl(capsys, write_cfg, run_dir, tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"prompts": str(f)}))), "data.prompts", f"{f}:2")
+    f.write_text('{"prompt": "ok"}\nnot json\n')
+    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"prompts": str(f)}))), "data.prompts", f"{f}:2")
+    assert not run_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory) -> Path:
+    """A tiny GPT-2 that allows only 16 positions."""
+    from rallyrl.testing import build_tiny_gpt2
+
+    return build_tiny_gpt2(tmp_path_factory.mktemp("short") / "gpt2", n_layer=1, n_embd=16, n_positions=16)
+
+
+def test_prompt_longer_than_the_model_allows(capsys, write_cfg, run_dir, short_model):
+    long = "the cat sat on the mat " * 4
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the", long]})
+    assert_user_error(*cli(capsys, "train", str(path)), "data.prompts", "prompt 1", "16 positions",
+                      "generation.max_new_tokens")
+    assert not run_dir.exists()
+
+
+def test_eval_prompt_longer_than_the_model_allows(capsys, write_cfg, run_dir, short_model):
+    long = "the cat sat on the mat " * 4
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the"], "eval_prompts": [long]})
+    assert_user_error(*cli(capsys, "train", str(path)), "data.eval_prompts", "prompt 0", "16 positions")
+    assert not run_dir.exists()
+
+
+def test_prompt_plus_new_tokens_over_the_limit(capsys, write_cfg, run_dir, short_model):
+    # a short prompt is fine, until max_new_tokens pushes it past n_positions
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the cat"]},
+                     generation={"max_new_tokens": 16})
+    assert_user_error(*cli(capsys, "train", str(path)), "data.prompts", "generation.max_new_tokens=16")
+    assert not run_dir.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# model folder
+
+
+def test_missing_model_folder(capsys, write_cfg, run_dir, tmp_path):
+    missing = tmp_path / "no-model"
+    assert_user_error(*cli(capsys, "train", str(write_cfg(model={"path": str(missing)}))),
+                      "model.path", str(missing))
+    assert not run_dir.exists()
+
+
+def test_model_path_unset(capsys, write_cfg, run_dir):
+    assert_user_error(*cli(capsys, "train", str(write_cfg(model=None))), "model.path")
+    assert not run_dir.exists()
+
+
+def test_model_folder_without_config_json(capsys, write_cfg, run_dir, tmp_path):
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    assert_user_error(*cli(capsys, "train", str(write_cfg(model={"path": str(empty)}))),
+                      "model.path", str(empty), "config.json")
+    assert not run_dir.exists()
+
+
+def test_missing_tokenizer_folder(capsys, write_cfg, run_dir, tmp_path):
+    missing = tmp_path / "no-tokenizer"
+    assert_user_error(*cli(capsys, "train", str(write_cfg(model={"tokenizer_path": str(missing)}))),
+                      "model.tokenizer_path", str(missing))
+    assert not run_dir.exists()
+
+
+@pytest.fixture
+def model_without_tokenizer(tiny_model, tmp_path) -> Path:
+    out = tmp_path / "no-tok-model"
+    shutil.copytree(tiny_model, out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                 "merges.txt"):
+        (out / name).unlink(missing_ok=True)
+    assert (out / "config.json").is_file()
+    return out
+
+
+def test_model_folder_without_tokenizer(capsys, write_cfg, run_dir, model_without_tokenizer):
+    rc, err = cli(capsys, "train", str(write_cfg(model={"path": str(model_without_tokenizer)})))
+    assert_user_error(rc, err, "model.path", str(model_without_tokenizer), "tokenizer")
+    assert not run_dir.exists()
+
+
+def test_model_folder_without_tokenizer_still_stops_before_training(capsys, write_cfg, run_dir,
+                                                                    model_without_tokenizer):
+    # Whatever the message, it is a user error (exit 2) before anything starts.
+    rc, err = cli(capsys, "train", str(write_cfg(model={"path": str(model_without_tokenizer)})))
+    assert rc == 2 and "Traceback" not in err, err
+    assert not run_dir.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# reward function import paths
+
+
+def test_reward_module_missing(capsys, write_cfg, run_dir):
+    path = write_cfg(reward={"fn": "no_such_module_xyz.rewards:score"})
+    assert_user_error(*cli(capsys, "train", str(path)), "reward.fn", "no_such_module_xyz")
+    assert not run_dir.exists()
+
+
+def test_reward_attribute_missing(capsys, write_cfg, run_dir):
+    path = write_cfg(reward={"fn": "tests.helpers.rewards:no_such_fn"})
+    assert_user_error(*cli(capsys, "train", str(path)), "reward.fn", "tests.helpers.rewards", "no_such_fn")
+    assert not run_dir.exists()
+
+
+def test_reward_attribute_not_callable(capsys, write_cfg, run_dir, tmp_path):
+    f = tmp_path / "my_rewards_notcallable.py"
+    f.write_text("SCORE = 3\n")
+    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": f"{f}:SCORE"}))),
+                      "reward.fn", "SCORE", "not callable")
+    assert not run_dir.exists()
+
+
+def test_reward_py_file_missing(capsys, write_cfg, run_dir, tmp_path):
+    f = tmp_path / "missing_rewards.py"
+    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": f"{f}:score"}))), "reward.fn", str(f))
+    assert not run_dir.exists()
+
+
+def test_reward_py_file_that_fails_to_import(capsys, write_cfg, run_dir, tmp_path):
+    f = tmp_path / "broken_rewards.py"
+    f.write_text("import no_such_dependency_xyz\n\ndef score(samples, prompts, outputs, **kw):\n    return []\n")
+    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": f"{f}:score"}))),
+                      "reward.fn", str(f), "no_such_dependency_xyz")
+    assert not run_dir.exists()
+
+
+def test_reward_path_without_colon(capsys, write_cfg, run_dir):
+    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": "tests.helpers.rewards"}))),
+                      "reward.fn", "module:attr")
+    assert not run_dir.exists()
+
+
+def test_reward_fns_entry_names_its_index(capsys, write_cfg, run_dir):
+    path = write_cfg(replace=True, reward={"fns": [{"fn": "tests.helpers.rewards:hashed"},
+                                                   {"fn": "tests.helpers.rewards:missing_one"}]})
+    assert_user_error(*cli(capsys, "train", str(path)), "reward.fns[1].fn", "missing_one")
+    assert not run_dir.exists()
+
+
+def test_no_reward_function(capsys, write_cfg, run_dir):
+    assert_user_error(*cli(capsys, "train", str(write_cfg(reward=None))), "reward.fn")
+    assert not run_dir.exists()
+
+
+def test_reward_factory_that_fails(capsys, write_cfg, run_dir):
+    # reward.kwargs makes reward.fn a factory: fn(**kwargs) must build the reward function. A plain
+    # reward function called with unexpected kwargs fails; that is a config error, not a traceback.
+    path = write_cfg(reward={"fn": "tests.helpers.rewards:hashed", "kwargs": {"scale": 2}})
+    assert_user_error(*cli(capsys, "train", str(path)), "reward.fn", "tests.helpers.rewards:hashed", "kwargs")
+    assert not run_dir.exists()
