@@ -21,7 +21,8 @@ REQUIRED = ["reward/mean", "reward/std", "reward/calls", "reward/samples_per_cal
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
-    cfg = base_config(tiny_model, run_dir, data={"eval_prompts": ["the", "a dog", "we"]})
+    cfg = base_config(tiny_model, run_dir, data={"eval_prompts": ["the", "a dog", "we"]},
+                      train={"tensorboard": True})
 
     def metric_fn(samples, prompts, outputs, **kw):
         return {"length": [len(o) for o in outputs]}
@@ -42,6 +43,7 @@ def test_run_directory_contract(run):
         missing = [k for k in REQUIRED if k not in m]
         assert not missing, missing
     assert "eval/length" in metrics[-1] and "eval/reward_mean" in metrics[-1]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert result.eval_before and result.eval_after
 
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
@@ -83,3 +85,15 @@ def test_first_ppo_step_is_on_policy(run):
     run_dir, _, _ = run
     m = read_jsonl(run_dir / "metrics.jsonl")[0]
     assert m["policy/approx_kl"] < 0.5  # averaged over 4 optimizer steps at lr 1e-3
+
+
+def test_every_logged_metric_is_documented(run):
+    """docs/metrics.md names every key that metrics.jsonl carries (so the page cannot drift)."""
+    from pathlib import Path
+
+    run_dir, _, _ = run
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    keys = {k for m in read_jsonl(run_dir / "metrics.jsonl") for k in m if k != "step"}
+    generic = {"eval/length"}  # from this test's metric_fn: documented as eval/<name>
+    missing = sorted(k for k in keys - generic if f"`{k}`" not in doc)
+    assert not missing, f"undocumented metrics: {missing}"
