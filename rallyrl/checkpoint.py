@@ -155,8 +155,8 @@ def rank_rng_state(shuffle_gen: torch.Generator) -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "shuffle": shuffle_gen.get_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())  # this rank's own device
     return state
 
 
@@ -168,7 +168,7 @@ def restore_rank_rng_state(state: dict[str, Any], shuffle_gen: torch.Generator) 
     torch.set_rng_state(state["torch"])
     shuffle_gen.set_state(state["shuffle"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rallyrl: error: {e}", file=sys.stderr)
         return 2
     except RewardError as e:
-        print(f"rallyrl: {e}", file=sys.stderr)
+        print(f"rallyrl: RewardError: {e}", file=sys.stderr)
         return 1
     return 0
 

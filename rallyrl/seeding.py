@@ -55,8 +55,12 @@ def get_rng_state() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Only this process's own device: reading every GPU's state would create a CUDA context on each
+        # of them (in a 7+1 set-up, on the reward GPU from every rank). Training draws only from its own
+        # device, and that stream is what must not move.
+        dev = torch.cuda.current_device()
+        state["cuda"] = (dev, torch.cuda.get_rng_state(dev))
     return state
 
 
@@ -65,7 +69,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        dev, cuda_state = state["cuda"]
+        torch.cuda.set_device(dev)  # a reward function may have switched the current device
+        torch.cuda.set_rng_state(cuda_state, dev)
 
 
 @contextlib.contextmanager

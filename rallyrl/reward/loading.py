@@ -14,6 +14,11 @@ class ImportPathError(ValueError):
     """An import path does not name a callable."""
 
 
+class RewardFactoryError(ImportPathError):
+    """A reward factory (``reward.fn`` with ``reward.kwargs``) rejected its arguments: a config error,
+    reported by the CLI like one (no traceback, exit code 2)."""
+
+
 def load_object(spec: str, what: str = "reward.fn") -> Any:
     if ":" not in spec:
         raise ImportPathError(f"{what}: {spec!r} must look like 'package.module:attr' or 'path/to/file.py:attr'")
@@ -53,9 +58,12 @@ def load_object(spec: str, what: str = "reward.fn") -> Any:
 def load_callable(spec: str, what: str = "reward.fn", kwargs: dict[str, Any] | None = None) -> Callable:
     obj = load_object(spec, what)
     if not callable(obj):
-        raise ImportPathError(f"{what}: {spec!r} is a {type(obj).__name__}, not callable")
+        raise ImportPathError(f"{what}: {spec!r} is of type {type(obj).__name__}, not callable")
     if kwargs:
-        obj = obj(**kwargs)
+        try:
+            obj = obj(**kwargs)
+        except Exception as e:
+            raise RewardFactoryError(f"{what}: {spec}(**kwargs) failed: {type(e).__name__}: {e}") from e
         if not callable(obj):
             raise ImportPathError(f"{what}: {spec!r}(**kwargs) returned a {type(obj).__name__}, not a callable")
     return obj

@@ -10,9 +10,13 @@ Placements (``reward.placement``):
 - ``collective``: every rank receives the full gathered batch and calls the reward function together
   (for reward models sharded over the ranks, whose forward is itself a collective); each keeps its slice.
 
-Every call runs inside ``isolated_rng()``, and failure is collective: whatever goes wrong on whichever
-rank, every rank raises the same ``RewardError`` carrying the original message and traceback, right after
-the step's next collective, instead of leaving peers blocked until a timeout.
+Every call runs inside ``isolated_rng()``, and failure is collective: whatever goes wrong in a reward
+function on whichever rank, every rank raises the same ``RewardError`` carrying the original message and
+traceback, right after the step's next collective, instead of leaving peers blocked until a timeout.
+
+The ordering logic (global batch = rank-major concatenation of the shards; each rank's slice of it;
+micro-batch bounds) is a set of pure functions (``concat_shards``, ``split_by_counts``,
+``micro_batches``) so it is tested without processes; the collectives are in ``rallyrl.dist``.
 """
 
 from __future__ import annotations
@@ -21,17 +25,66 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from .. import dist
-from ..seeding import isolated_rng
-from .validate import RewardValidationError, validate_rewards
+from .validate import validate_rewards
+
+# `dist` and `seeding` (torch) are imported where they are used, not here: `import rallyrl` (and so the
+# `rallyrl train --nproc N` launcher process, and `rallyrl check`) stays free of torch.
 
 RewardFn = Callable[..., Any]
+T = TypeVar("T")
+
+PLACEMENTS = ("main", "local", "collective")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong in a reward step on one rank (picklable: it is sent to every rank)."""
+
+    rank: int
+    error_type: str
+    message: str
+    traceback: str
+
+    @staticmethod
+    def of(exc: BaseException, rank: int) -> "Failure":
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return Failure(rank, type(exc).__name__, str(exc), tb)
+
+    def text(self) -> str:
+        return f"on rank {self.rank}: {self.error_type}: {self.message}\n{self.traceback}"
 
 
 class RewardError(RuntimeError):
-    """A reward function failed or returned invalid output (raised identically on every rank)."""
+    """A reward function failed or returned invalid output (raised identically on every rank).
+
+    ``rank``, ``error_type``, ``original_message`` and ``traceback_text`` describe the original failure
+    (of the lowest failing rank, when several failed; ``failed_ranks`` lists them all).
+    """
+
+    def __init__(self, message: str, failure: Failure | None = None, failed_ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rank = failure.rank if failure else None
+        self.error_type = failure.error_type if failure else None
+        self.original_message = failure.message if failure else None
+        self.traceback_text = failure.traceback if failure else None
+        self.failed_ranks = list(failed_ranks)
+
+    @staticmethod
+    def from_failures(failures: Sequence[Failure | None], what: str = "reward step") -> "RewardError":
+        got = [f for f in failures if f is not None]
+        assert got, "from_failures needs at least one failure"
+        first = got[0]
+        msg = f"{what} failed {first.text()}"
+        if len(got) > 1:
+            msg += f"\n(it also failed on rank(s) {', '.join(str(f.rank) for f in got[1:])})"
+        return RewardError(msg, first, [f.rank for f in got])
+
+
+def _failure(exc: BaseException, rank: int) -> str:
+    """The text of a failure (used by the trainer for metric_fn errors)."""
+    return Failure.of(exc, rank).text()
 
 
 @dataclass
@@ -69,7 +122,8 @@ class Samples:
 @dataclass
 class Reward:
     """The combined reward of one sample: a scalar ``score`` (placed on the last output token) plus an
-    optional dense per-token part aligned to the output tokens."""
+    optional dense per-token part aligned to the output tokens. ``components`` holds each reward
+    function's own (unweighted) value, dense parts summed, keyed by the function's name."""
 
     score: float
     dense: list[float] | None = None
@@ -86,9 +140,38 @@ class StepStats:
     trainer reduces them once per iteration with its other statistics, no extra collective here)."""
 
     calls: int = 0  # reward-function calls this rank made (a joint `collective` call counts once)
-    samples: int = 0  # samples this rank scored
+    samples: int = 0  # samples passed to those calls (so samples / calls = mean micro-batch size)
     time_reward: float = 0.0  # seconds this rank spent inside reward functions
-    time_gather: float = 0.0  # seconds moving samples and rewards between ranks (not summed: per rank)
+    time_gather: float = 0.0  # seconds moving samples, rewards and failures between ranks (per rank)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure ordering logic (no collectives): tested directly, property-based
+
+
+def concat_shards(shards: Sequence[Samples]) -> tuple[Samples, list[int]]:
+    """The global batch of a chunk round: the ranks' shards concatenated in rank order (rank-major, the
+    order of the global sample index), and the per-rank counts needed to split results back."""
+    return Samples.concat(shards), [len(s) for s in shards]
+
+
+def split_by_counts(items: Sequence[T], counts: Sequence[int]) -> list[list[T]]:
+    """Inverse of the concatenation: ``items`` (one per global sample) cut into per-rank lists."""
+    if sum(counts) != len(items) or any(c < 0 for c in counts):
+        raise ValueError(f"cannot split {len(items)} items into per-rank counts {list(counts)}")
+    out, a = [], 0
+    for c in counts:
+        out.append(list(items[a : a + c]))
+        a += c
+    return out
+
+
+def micro_batches(n: int, batch_size: int | None) -> list[tuple[int, int]]:
+    """[start, end) bounds of the reward calls over ``n`` samples (``None`` = one call with all)."""
+    if n == 0:
+        return []
+    bs = batch_size or n
+    return [(a, min(n, a + bs)) for a in range(0, n, bs)]
 
 
 def call_kwargs(samples: Samples, tokenizer: Any) -> dict[str, Any]:
@@ -105,26 +188,29 @@ def call_kwargs(samples: Samples, tokenizer: Any) -> dict[str, Any]:
 
 def score_samples(
     fns: Sequence[NamedRewardFn], samples: Samples, tokenizer: Any, batch_size: int | None, offset: int = 0
-) -> tuple[list[Reward], int, float]:
+) -> tuple[list[Reward], StepStats]:
     """Call every reward function on ``samples`` in micro-batches; validate; combine with weights.
 
-    Returns (rewards, number of calls, seconds spent in the functions). Raises on any failure.
+    Every call runs inside ``isolated_rng()``. Returns the rewards (aligned with ``samples``) and the
+    call statistics. Raises on any failure (the caller makes it collective). ``offset`` is the index of
+    the first sample in the batch the user sees (for messages).
     """
+    from ..seeding import isolated_rng
+
     n = len(samples)
-    if n == 0:
-        return [], 0, 0.0
-    bs = batch_size or n
     rewards = [Reward(0.0) for _ in range(n)]
-    calls, t_total = 0, 0.0
+    stats = StepStats()
     for nf in fns:
-        for a in range(0, n, bs):
-            part = samples.slice(a, min(n, a + bs))
+        for a, b in micro_batches(n, batch_size):
+            part = samples.slice(a, b)
             full = [p + o for p, o in zip(part.prompts, part.outputs)]
+            kwargs = call_kwargs(part, tokenizer)
             t0 = time.perf_counter()
             with isolated_rng():
-                out = nf.fn(full, part.prompts, part.outputs, **call_kwargs(part, tokenizer))
-            t_total += time.perf_counter() - t0
-            calls += 1
+                out = nf.fn(full, part.prompts, part.outputs, **kwargs)
+            stats.time_reward += time.perf_counter() - t0
+            stats.calls += 1
+            stats.samples += b - a
             lengths = [len(t) for t in part.output_token_ids]
             checked = validate_rewards(out, lengths, fn_name=f"reward function {nf.name!r}", offset=offset + a)
             for i, r in enumerate(checked):
@@ -138,22 +224,16 @@ def score_samples(
                 else:
                     rw.score += nf.weight * r
                     rw.components[nf.name] = r
-    return rewards, calls, t_total
+    return rewards, stats
 
 
-def _failure(exc: BaseException, rank: int) -> str:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return f"on rank {rank}: {type(exc).__name__}: {exc}\n{tb}"
-
-
-def _raise_if_failed(failures: Sequence[str | None]) -> None:
-    msgs = [m for m in failures if m]
-    if msgs:
-        raise RewardError("reward step failed " + msgs[0])
+# ------------------------------------------------------------------------------------------------
+# The step
 
 
 class RewardStep:
-    """Callable object: ``step(local_samples) -> (local_rewards, StepStats)``; a collective call."""
+    """Callable object: ``step(local_samples) -> (local_rewards, StepStats)``; a collective call that
+    every rank enters once per chunk round (also with 0 samples)."""
 
     def __init__(
         self,
@@ -162,10 +242,12 @@ class RewardStep:
         batch_size: int | None = None,
         tokenizer: Any = None,
     ) -> None:
-        if placement not in ("main", "local", "collective"):
+        if placement not in PLACEMENTS:
             raise ValueError(f"reward.placement must be main, local or collective, got {placement!r}")
         if not fns:
             raise ValueError("RewardStep needs at least one reward function")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"reward.batch_size must be > 0, got {batch_size}")
         self.fns, self.placement, self.batch_size, self.tokenizer = list(fns), placement, batch_size, tokenizer
 
     def __call__(self, samples: Samples) -> tuple[list[Reward], StepStats]:
@@ -177,69 +259,68 @@ class RewardStep:
 
     # --- main: gather -> score on rank 0 -> scatter --------------------------------------------
     def _main(self, samples: Samples) -> tuple[list[Reward], StepStats]:
-        stats = StepStats()
+        from .. import dist
+
         t0 = time.perf_counter()
         gathered = dist.gather_objects(samples, dst=0)
-        stats.time_gather += time.perf_counter() - t0
+        t_gather = time.perf_counter() - t0
+        stats = StepStats()
         payload: list[Any] | None = None
         if dist.is_main():
             assert gathered is not None
-            counts = [len(s) for s in gathered]
+            batch, counts = concat_shards(gathered)
             try:
-                rewards, stats.calls, stats.time_reward = score_samples(
-                    self.fns, Samples.concat(gathered), self.tokenizer, self.batch_size
-                )
-                bounds = [sum(counts[:r]) for r in range(len(counts) + 1)]
-                payload = [("ok", rewards[bounds[r] : bounds[r + 1]]) for r in range(len(counts))]
-            except Exception as e:  # every failure is reported to every rank, then re-raised there
-                payload = [("error", _failure(e, 0))] * len(counts)
-            stats.samples = sum(counts)
+                rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size)
+                payload = [("ok", mine) for mine in split_by_counts(rewards, counts)]
+            except Exception as e:  # every failure is reported to every rank, then raised there
+                payload = [("error", Failure.of(e, 0))] * len(counts)
         t1 = time.perf_counter()
         status, mine = dist.scatter_objects(payload, src=0)
-        stats.time_gather += time.perf_counter() - t1
+        stats.time_gather = t_gather + time.perf_counter() - t1
         if status == "error":
-            raise RewardError("reward step failed " + mine)
+            raise RewardError.from_failures([mine])
         return mine, stats
 
     # --- local: each rank scores its own ---------------------------------------------------------
     def _local(self, samples: Samples) -> tuple[list[Reward], StepStats]:
-        stats = StepStats()
-        failure: str | None = None
+        from .. import dist
+
+        failure: Failure | None = None
         rewards: list[Reward] = []
+        stats = StepStats()
         try:
-            rewards, stats.calls, stats.time_reward = score_samples(
-                self.fns, samples, self.tokenizer, self.batch_size
-            )
+            rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size)
         except Exception as e:
-            failure = _failure(e, dist.rank())
+            failure = Failure.of(e, dist.rank())
+        # Even on success every rank takes part in this exchange: that is what lets a failure on one
+        # rank reach the others at once instead of leaving them waiting in the next collective.
         t0 = time.perf_counter()
         failures = dist.all_gather_objects(failure)
-        stats.time_gather += time.perf_counter() - t0
-        _raise_if_failed(failures)
-        stats.samples = len(samples)
+        stats.time_gather = time.perf_counter() - t0
+        if any(failures):
+            raise RewardError.from_failures(failures)
         return rewards, stats
 
     # --- collective: everyone scores the full batch together -------------------------------------
     def _collective(self, samples: Samples) -> tuple[list[Reward], StepStats]:
-        stats = StepStats()
+        from .. import dist
+
         t0 = time.perf_counter()
-        gathered = dist.all_gather_objects(samples)
-        stats.time_gather += time.perf_counter() - t0
-        counts = [len(s) for s in gathered]
-        offset = sum(counts[: dist.rank()])
-        failure: str | None = None
+        batch, counts = concat_shards(dist.all_gather_objects(samples))
+        t_gather = time.perf_counter() - t0
+        failure: Failure | None = None
         rewards: list[Reward] = []
+        stats = StepStats()
         try:
-            allr, stats.calls, stats.time_reward = score_samples(
-                self.fns, Samples.concat(gathered), self.tokenizer, self.batch_size
-            )
-            rewards = allr[offset : offset + len(samples)]
+            allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size)
+            rewards = split_by_counts(allr, counts)[dist.rank()]
         except Exception as e:
-            failure = _failure(e, dist.rank())
+            failure = Failure.of(e, dist.rank())
+        t1 = time.perf_counter()
         failures = dist.all_gather_objects(failure)
-        _raise_if_failed(failures)
-        if dist.rank() != 0:  # one joint call: count it once (stats are summed over ranks)
-            stats.calls, stats.time_reward = 0, 0.0
-        else:
-            stats.samples = sum(counts)
+        stats.time_gather = t_gather + time.perf_counter() - t1
+        if any(failures):
+            raise RewardError.from_failures(failures)
+        if dist.rank() != 0:  # one joint call per micro-batch: count it once (stats are summed over ranks)
+            stats.calls, stats.samples, stats.time_reward = 0, 0, 0.0
         return rewards, stats

@@ -7,15 +7,15 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import torch
-
 
 class RewardValidationError(ValueError):
     """The reward function returned something that is not one finite reward per sample."""
 
 
 def _as_number(x: Any, where: str) -> float:
+    import numpy as np
+    import torch
+
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise RewardValidationError(f"{where}: expected a number, got a tensor of shape {tuple(x.shape)}")
@@ -40,6 +40,9 @@ def validate_rewards(
     with a float or a list of floats per sample. ``offset`` is the global index of the first sample of
     this call, so messages name the sample as the user sees it.
     """
+    import numpy as np
+    import torch
+
     n = len(output_lengths)
     if isinstance(out, (torch.Tensor, np.ndarray)):
         if out.ndim != 1:
