@@ -183,7 +183,7 @@ def _merge(pieces: list[dict[str, Any]], pad_id: int) -> Rollouts:
 # Stage 3+4: reward shaping and advantages
 
 
-def shape_rewards(ro: Rollouts, state: TrainState, cfg: Config) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def shape_rewards(ro: Rollouts, state: TrainState, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards (B, T) = score on the last token + dense scores - beta * KL; and per-sample KL."""
     scores, dense = ro.scores.clone(), ro.dense_scores
     if cfg.ppo.reward_scaling == "running":
@@ -196,7 +196,7 @@ def shape_rewards(ro: Rollouts, state: TrainState, cfg: Config) -> tuple[torch.T
     kl_tok = ops.kl_estimate(ro.logprobs, ro.ref_logprobs, cfg.ppo.kl_estimator) * ro.response_mask  # (B, T)
     rewards = ops.penalized_rewards(kl_tok, ro.response_mask, state.kl_ctl.value, scores, dense)  # (B, T)
     seq_kl = (ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1)  # (B,) k1 per sequence
-    return rewards, seq_kl, {}
+    return rewards, seq_kl
 
 
 def compute_advantages(ro: Rollouts, rewards: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,7 +446,7 @@ def train(
             t_rollout = time.perf_counter() - t0
 
             # 3-4. KL-shaped rewards and advantages
-            rewards, seq_kl, _ = shape_rewards(ro, state, cfg)
+            rewards, seq_kl = shape_rewards(ro, state, cfg)
             advantages, returns = compute_advantages(ro, rewards, cfg)
 
             # 5. PPO epochs
