@@ -262,9 +262,9 @@ def ppo_update(
                     ent = ops.entropy_from_logits(logits)
             optimizer.zero_grad(set_to_none=True)
             accelerator.backward(loss)
-            if cfg.ppo.max_grad_norm is not None:
-                gn = accelerator.clip_grad_norm_(model.parameters(), cfg.ppo.max_grad_norm)
-                sums["grad_norm"] += float(gn)
+            # With clipping off, an infinite max norm still returns the (pre-clip) norm for the logs.
+            max_norm = cfg.ppo.max_grad_norm if cfg.ppo.max_grad_norm is not None else float("inf")
+            sums["grad_norm"] += float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()
             scheduler.step()
             state.optimizer_steps += 1
