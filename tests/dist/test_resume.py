@@ -74,3 +74,19 @@ def test_dead_worker_ends_the_job_quickly_and_names_the_rank(tiny_model, tmp_pat
     text = proc.stdout + proc.stderr
     assert "rank 1" in text or "rank: 1" in text, text[-3000:]
     assert "SIGKILL" in text or "Signals.SIGKILL" in text or "exitcode" in text, text[-3000:]
+
+
+def test_stuck_worker_is_bounded_by_the_collective_timeout(tiny_model, tmp_path):
+    """A rank that hangs (alive, never reaching the next collective) holds its peers only for
+    dist.timeout_s; then the job ends."""
+    cfg = base_config(tiny_model, tmp_path / "run", reward={"fn": "tests.helpers.rewards:hashed_with_crashes",
+                                                           "placement": "local"},
+                      dist={"timeout_s": 5.0})
+    t0 = time.monotonic()
+    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, RALLYRL_TEST_HANG_RANK="1")
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert elapsed < 90, elapsed  # the hung rank would sleep 600 s
+    text = proc.stdout + proc.stderr
+    assert "rank 0" in text or "rank: 0" in text or "rank      : 0" in text, text[-3000:]
+    assert "imeout" in text or "imed out" in text, text[-3000:]

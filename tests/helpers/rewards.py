@@ -62,11 +62,15 @@ def hashed_with_crashes(samples, prompts, outputs, **kwargs):
     - RALLYRL_TEST_COUNTER=PATH counts the calls of this run in the file PATH (it survives a restart);
     - RALLYRL_TEST_PAUSE_AT=N: the N-th call writes PATH.paused and blocks, so the test can SIGKILL
       every process in the middle of an iteration (a resumed run counts on from N, so it never pauses);
-    - RALLYRL_TEST_KILL_RANK=R: the process of rank R SIGKILLs itself in its first call.
+    - RALLYRL_TEST_KILL_RANK=R: the process of rank R SIGKILLs itself in its first call;
+    - RALLYRL_TEST_HANG_RANK=R: rank R blocks in its first call (stuck, not dead).
     """
     kill = os.environ.get("RALLYRL_TEST_KILL_RANK")
     if kill is not None and int(kill) == _rank():
         os.kill(os.getpid(), signal.SIGKILL)
+    hang = os.environ.get("RALLYRL_TEST_HANG_RANK")
+    if hang is not None and int(hang) == _rank():
+        time.sleep(600)  # its peers must be released by dist.timeout_s
     counter = os.environ.get("RALLYRL_TEST_COUNTER")
     if counter:
         path = Path(counter)

@@ -74,8 +74,9 @@ def test_checksum_mismatch_and_missing_files(run, tmp_path):
     (step2 / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="manifest.json is missing"):
         verify_checkpoint(step2)
-    with pytest.raises(CheckpointError, match="no valid checkpoint"):
-        resolve_resume(run_dir, "latest")
+    with pytest.warns(UserWarning, match="skipping invalid checkpoint"):
+        with pytest.raises(CheckpointError, match="no valid checkpoint"):
+            resolve_resume(run_dir, "latest")
 
 
 def test_leftover_tmp_folder_is_ignored(run, tmp_path):
