@@ -41,8 +41,11 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32", "Dtype the policy, reference and value head are loaded in."
     )
+    value_head: Literal["linear", "mlp"] = _f(
+        "linear", "Value head on the last hidden state: `linear` (as TRL) or `mlp` (H -> 2H -> 1, as trlx)."
+    )
     value_head_std: float = _f(
-        0.0, "Init std of the value head's weight (0 = zeros, so the first values are 0)."
+        0.0, "Init std of the value head's last layer (0 = zeros, so the first values are 0)."
     )
 
 

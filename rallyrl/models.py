@@ -29,17 +29,29 @@ class ModelLoadError(ValueError):
 class PolicyWithValueHead(nn.Module):
     """A causal LM plus a scalar value head on its last hidden state (one forward gives both)."""
 
-    def __init__(self, lm: nn.Module, value_head_std: float, seed: int) -> None:
+    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str = "linear") -> None:
         super().__init__()
         self.lm = lm
         hidden = lm.config.get_text_config().hidden_size
-        self.v_head = nn.Linear(hidden, 1, dtype=next(lm.parameters()).dtype)
+        dtype = next(lm.parameters()).dtype
         # Initialised from the shared seed: identical on every rank and independent of the global RNG.
         g = shared_generator(seed, 17)
+        if head == "mlp":
+            # trlx's head: Linear(H, 2H) -> ReLU -> Linear(2H, 1); more capacity for the value than a
+            # single projection of the policy's features.
+            first = nn.Linear(hidden, 2 * hidden, dtype=dtype)
+            with torch.no_grad():
+                bound = 1.0 / hidden**0.5  # nn.Linear's default init, drawn from the shared generator
+                first.weight.copy_((torch.rand(first.weight.shape, generator=g) * 2 - 1) * bound)
+                first.bias.copy_((torch.rand(first.bias.shape, generator=g) * 2 - 1) * bound)
+            last = nn.Linear(2 * hidden, 1, dtype=dtype)
+            self.v_head = nn.Sequential(first, nn.ReLU(), last)
+        else:
+            last = nn.Linear(hidden, 1, dtype=dtype)
+            self.v_head = last
         with torch.no_grad():
-            w = torch.randn(self.v_head.weight.shape, generator=g) * value_head_std
-            self.v_head.weight.copy_(w.to(self.v_head.weight.dtype))
-            self.v_head.bias.zero_()
+            last.weight.copy_((torch.randn(last.weight.shape, generator=g) * value_head_std).to(dtype))
+            last.bias.zero_()
         self._keeps_logits = "logits_to_keep" in inspect.signature(lm.forward).parameters
 
     def forward(
@@ -140,7 +152,7 @@ def load_models(cfg: ModelConfig, seed: int) -> LoadedModels:
     # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
     lm.eval()
     ref = copy.deepcopy(lm).eval().requires_grad_(False)
-    policy = PolicyWithValueHead(lm, cfg.value_head_std, seed).eval()
+    policy = PolicyWithValueHead(lm, cfg.value_head_std, seed, cfg.value_head).eval()
     text_cfg = lm.config.get_text_config()
     max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
     return LoadedModels(policy=policy, ref=ref, tokenizer=tok, max_positions=max_pos)

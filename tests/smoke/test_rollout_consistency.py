@@ -81,3 +81,21 @@ def test_training_forward_matches_rollout_pass_after_column_trimming(models):
     assert torch.allclose(full["values"][1, :n], alone["values"][0, :n], atol=1e-5)
     lp = ops.masked_sum(full["logprobs"], full["response_mask"])
     assert torch.isfinite(lp)
+
+
+@pytest.mark.parametrize("head", ["linear", "mlp"])
+def test_value_head_init_is_shared_and_starts_at_zero(tiny_model, head):
+    from rallyrl.models import PolicyWithValueHead
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.manual_seed(123)  # the global RNG must not matter: init comes from the shared seed
+    a = PolicyWithValueHead(lm, value_head_std=0.02, seed=5, head=head)
+    torch.manual_seed(456)
+    b = PolicyWithValueHead(lm, value_head_std=0.02, seed=5, head=head)
+    for (ka, va), (kb, vb) in zip(a.v_head.state_dict().items(), b.v_head.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    zero = PolicyWithValueHead(lm, value_head_std=0.0, seed=5, head=head)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    _, values = zero(ids, torch.ones_like(ids, dtype=torch.bool), 2)
+    assert values.shape == (1, 2) and torch.equal(values, torch.zeros(1, 2))
