@@ -184,18 +184,7 @@ class HFClassifierReward:
         return scores
 
 
-def hf_classifier(
-    path: str,
-    label: str | int | None = None,
-    *,
-    batch_size: int = 32,
-    device: str | None = None,
-    max_length: int | None = None,
-    output: Literal["logit", "prob"] = "logit",
-    text: Literal["sample", "output"] = "sample",
-    dtype: str = "float32",
-    tokenizer_path: str | None = None,
-) -> HFClassifierReward:
+def hf_classifier(path: str, label: str | int | None = None, **options: Any) -> HFClassifierReward:
     """A reward function scoring each sample with a local Hugging Face sequence classifier.
 
     - ``path``: folder of an ``AutoModelForSequenceClassification`` (+ tokenizer, unless
@@ -214,7 +203,7 @@ def hf_classifier(
       truncation follows the tokenizer's ``truncation_side``.
 
     Nothing but ``config.json`` is read until the first call, which loads the model in the calling
-    process; with ``reward.placement: main`` that is rank 0 only.
+    process; with ``reward.placement: main`` that is rank 0 only. Options (keyword-only) are those of
+    ``HFClassifierReward``; an unknown one is a TypeError naming it.
     """
-    return HFClassifierReward(path, label, batch_size=batch_size, device=device, max_length=max_length,
-                              output=output, text=text, dtype=dtype, tokenizer_path=tokenizer_path)
+    return HFClassifierReward(path, label, **options)
