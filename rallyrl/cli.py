@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                "-m", "rallyrl.cli", "train", args.config]
         for o in args.overrides:
             cmd += ["--set", o]
-        return subprocess.call(cmd)
+        env = dict(os.environ)
+        # Split the cores between the processes (torchrun would set 1 and print a banner about it).
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+        return subprocess.call(cmd, env=env)
 
     from .reward.step import RewardError
     from .trainer import train

@@ -10,6 +10,7 @@ model saw a different ending than the tokens that were trained on).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +129,15 @@ def generate(
         kwargs.update(temperature=gen.temperature, top_k=gen.top_k or None, top_p=gen.top_p)
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
-    out = lm.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+    # We always pass the attention mask, but generate() drops an all-ones one, after which the pads of
+    # finished rows make transformers warn about a missing mask; that warning does not apply here.
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    level = hf_log.level
+    hf_log.setLevel(logging.ERROR)
+    try:
+        out = lm.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+    finally:
+        hf_log.setLevel(level)
     responses = out[:, ids.shape[1] :].tolist()  # (B, T') as lists
     eos = tokenizer.eos_token_id
     kept: list[list[int]] = []
