@@ -62,16 +62,21 @@ def test_resume_after_sigkill_is_bit_identical(tiny_model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir()) == ["step_3", "step_4"]
 
 
-def test_dead_worker_ends_the_job_quickly_and_names_the_rank(tiny_model, tmp_path):
+def _faulty_run(tiny_model, tmp_path, timeout_s: float, **fault_env: str) -> tuple[str, float]:
+    """A 2-process run with `local` placement and a fault injected into one rank; it must fail."""
     cfg = base_config(tiny_model, tmp_path / "run", reward={"fn": "tests.helpers.rewards:hashed_with_crashes",
                                                            "placement": "local"},
-                      dist={"timeout_s": 300.0})
+                      dist={"timeout_s": timeout_s})
     t0 = time.monotonic()
-    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, RALLYRL_TEST_KILL_RANK="1")
+    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, **fault_env)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
+    return proc.stdout + proc.stderr, elapsed
+
+
+def test_dead_worker_ends_the_job_quickly_and_names_the_rank(tiny_model, tmp_path):
+    text, elapsed = _faulty_run(tiny_model, tmp_path, 300.0, RALLYRL_TEST_KILL_RANK="1")
     assert elapsed < 90, elapsed  # far below the 300 s collective timeout: nobody waited for it
-    text = proc.stdout + proc.stderr
     assert "rank 1" in text or "rank: 1" in text, text[-3000:]
     assert "SIGKILL" in text or "Signals.SIGKILL" in text or "exitcode" in text, text[-3000:]
 
@@ -79,14 +84,7 @@ def test_dead_worker_ends_the_job_quickly_and_names_the_rank(tiny_model, tmp_pat
 def test_stuck_worker_is_bounded_by_the_collective_timeout(tiny_model, tmp_path):
     """A rank that hangs (alive, never reaching the next collective) holds its peers only for
     dist.timeout_s; then the job ends."""
-    cfg = base_config(tiny_model, tmp_path / "run", reward={"fn": "tests.helpers.rewards:hashed_with_crashes",
-                                                           "placement": "local"},
-                      dist={"timeout_s": 5.0})
-    t0 = time.monotonic()
-    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, RALLYRL_TEST_HANG_RANK="1")
-    elapsed = time.monotonic() - t0
-    assert proc.returncode != 0
+    text, elapsed = _faulty_run(tiny_model, tmp_path, 5.0, RALLYRL_TEST_HANG_RANK="1")
     assert elapsed < 90, elapsed  # the hung rank would sleep 600 s
-    text = proc.stdout + proc.stderr
     assert "rank 0" in text or "rank: 0" in text or "rank      : 0" in text, text[-3000:]
     assert "imeout" in text or "imed out" in text, text[-3000:]
