@@ -104,6 +104,9 @@ class PPOConfig:
     num_minibatches: int = _f(
         1, "Optimizer steps per epoch; every rank splits its samples into this many minibatches."
     )
+    micro_batch_size: int | None = _f(
+        None, "Samples per forward/backward within a minibatch (gradient accumulation); null = whole minibatch."
+    )
     lr: float = _f(1e-5, "AdamW learning rate.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     adam_eps: float = _f(1e-8, "AdamW epsilon.")
@@ -385,6 +388,7 @@ def validate(cfg: Config) -> None:
     positive("train.num_threads", cfg.train.num_threads, allow_zero=True)
     positive("ppo.epochs", cfg.ppo.epochs)
     positive("ppo.num_minibatches", cfg.ppo.num_minibatches)
+    positive("ppo.micro_batch_size", cfg.ppo.micro_batch_size)
     positive("ppo.lr", cfg.ppo.lr)
     positive("ppo.warmup_steps", cfg.ppo.warmup_steps, allow_zero=True)
     positive("ppo.max_grad_norm", cfg.ppo.max_grad_norm)

@@ -11,6 +11,7 @@ are global over all ranks, so N processes compute what one process would on the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -223,13 +224,12 @@ def ppo_update(
     cfg: Config,
     device: torch.device,
 ) -> dict[str, float]:
-    ids, mask = ro.input_ids()  # (B, Q+T)
-    Q = ro.query_ids.shape[1]
     B, M, W = len(ro), cfg.ppo.num_minibatches, dist.world_size()
-    temp = cfg.generation.temperature
     sums: dict[str, float] = {"pg_loss": 0.0, "vf_loss": 0.0, "loss": 0.0, "grad_norm": 0.0,
                               "clipfrac_tok": 0.0, "vf_clipfrac_tok": 0.0, "approx_kl_tok": 0.0,
                               "entropy_tok": 0.0, "tokens": 0.0, "steps": 0.0}
+    # With clipping off, an infinite max norm still returns the (pre-clip) norm for the logs.
+    max_norm = cfg.ppo.max_grad_norm if cfg.ppo.max_grad_norm is not None else float("inf")
     for _ in range(cfg.ppo.epochs):
         perm = torch.randperm(B, generator=state.shuffle_gen)
         minibatches = torch.tensor_split(perm, M)
@@ -238,47 +238,60 @@ def ppo_update(
         local_counts = torch.stack([ro.response_mask[mb].sum() for mb in minibatches]).double()
         global_counts = dist.all_reduce_sum(local_counts)
         for j, mb in enumerate(minibatches):
-            rmask = ro.response_mask[mb]
-            # Trim columns that are padding for every row of this minibatch (pure speed; same math).
-            T_mb = int(rmask.sum(1).max())
-            q_start = int((~ro.query_mask[mb]).all(0).long().cumprod(0).sum())
-            mb_ids = ids[mb][:, q_start : Q + T_mb].to(device)
-            mb_mask = mask[mb][:, q_start : Q + T_mb].to(device)
-            m = rmask[:, :T_mb].to(device)
-            logits, values = model(mb_ids, mb_mask, T_mb)  # (b, T_mb, V), (b, T_mb)
-            logits = logits.float() / temp
-            lp = ops.logprobs_from_logits(logits, ro.response_ids[mb][:, :T_mb].to(device))
-            n_norm = global_counts[j] / W
-            pg, pg_stats = ops.policy_loss(lp, ro.logprobs[mb][:, :T_mb].to(device),
-                                           advantages[mb][:, :T_mb].to(device), m, cfg.ppo.clip_range, n_norm)
-            vf, vf_stats = ops.value_loss(values.float(), ro.values[mb][:, :T_mb].to(device),
-                                          returns[mb][:, :T_mb].to(device), m, cfg.ppo.clip_range_value, n_norm)
-            loss = pg + cfg.ppo.vf_coef * vf
-            if cfg.ppo.entropy_coef > 0:
-                ent = ops.entropy_from_logits(logits)
-                loss = loss - cfg.ppo.entropy_coef * ops.masked_sum(ent, m) / n_norm
-            else:
-                with torch.no_grad():
-                    ent = ops.entropy_from_logits(logits)
             optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            # With clipping off, an infinite max norm still returns the (pre-clip) norm for the logs.
-            max_norm = cfg.ppo.max_grad_norm if cfg.ppo.max_grad_norm is not None else float("inf")
+            # Gradient accumulation over micro-batches: every piece is normalised by the same global
+            # token count, so the summed gradient equals the whole minibatch's. Only the last backward
+            # synchronises (ranks may take different numbers of micro-batches).
+            micro = torch.split(mb, cfg.ppo.micro_batch_size or len(mb))
+            for k, part in enumerate(micro):
+                sync = contextlib.nullcontext() if k == len(micro) - 1 else accelerator.no_sync(model)
+                with sync:
+                    _micro_step(model, accelerator, ro, part, advantages, returns, global_counts[j] / W,
+                                cfg, device, sums)
             sums["grad_norm"] += float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
             optimizer.step()
             scheduler.step()
             state.optimizer_steps += 1
-            n_local = float(m.sum())
-            sums["pg_loss"] += pg.item()
-            sums["vf_loss"] += vf.item()
-            sums["loss"] += loss.item()
-            sums["clipfrac_tok"] += float(pg_stats["clipfrac"]) * n_local
-            sums["approx_kl_tok"] += float(pg_stats["approx_kl"]) * n_local
-            sums["vf_clipfrac_tok"] += float(vf_stats["clipfrac"]) * n_local
-            sums["entropy_tok"] += float(ops.masked_sum(ent.detach(), m))
-            sums["tokens"] += n_local
             sums["steps"] += 1
     return sums
+
+
+def _micro_step(model: torch.nn.Module, accelerator: Any, ro: Rollouts, rows: torch.Tensor,
+                advantages: torch.Tensor, returns: torch.Tensor, n_norm: torch.Tensor, cfg: Config,
+                device: torch.device, sums: dict[str, float]) -> None:
+    """Forward + backward of the PPO loss on ``rows`` of the batch; adds its statistics to ``sums``."""
+    Q = ro.query_ids.shape[1]
+    rmask = ro.response_mask[rows]
+    # Trim columns that are padding for every row of this micro-batch (pure speed; same math).
+    T_mb = int(rmask.sum(1).max())
+    q_start = int((~ro.query_mask[rows]).all(0).long().cumprod(0).sum())
+    ids = torch.cat([ro.query_ids[rows], ro.response_ids[rows]], 1)[:, q_start : Q + T_mb].to(device)
+    mask = torch.cat([ro.query_mask[rows], rmask], 1)[:, q_start : Q + T_mb].to(device)
+    m = rmask[:, :T_mb].to(device)
+    logits, values = model(ids, mask, T_mb)  # (b, T_mb, V), (b, T_mb)
+    logits = logits.float() / cfg.generation.temperature
+    lp = ops.logprobs_from_logits(logits, ro.response_ids[rows][:, :T_mb].to(device))  # (b, T_mb)
+    pg, pg_stats = ops.policy_loss(lp, ro.logprobs[rows][:, :T_mb].to(device),
+                                   advantages[rows][:, :T_mb].to(device), m, cfg.ppo.clip_range, n_norm)
+    vf, vf_stats = ops.value_loss(values.float(), ro.values[rows][:, :T_mb].to(device),
+                                  returns[rows][:, :T_mb].to(device), m, cfg.ppo.clip_range_value, n_norm)
+    loss = pg + cfg.ppo.vf_coef * vf
+    if cfg.ppo.entropy_coef > 0:
+        ent = ops.entropy_from_logits(logits)
+        loss = loss - cfg.ppo.entropy_coef * ops.masked_sum(ent, m) / n_norm
+    else:
+        with torch.no_grad():
+            ent = ops.entropy_from_logits(logits)
+    accelerator.backward(loss)
+    n_local = float(m.sum())
+    sums["pg_loss"] += pg.item()
+    sums["vf_loss"] += vf.item()
+    sums["loss"] += loss.item()
+    sums["clipfrac_tok"] += float(pg_stats["clipfrac"]) * n_local
+    sums["approx_kl_tok"] += float(pg_stats["approx_kl"]) * n_local
+    sums["vf_clipfrac_tok"] += float(vf_stats["clipfrac"]) * n_local
+    sums["entropy_tok"] += float(ops.masked_sum(ent.detach(), m))
+    sums["tokens"] += n_local
 
 
 # ------------------------------------------------------------------------------------------------
