@@ -52,11 +52,6 @@ class Rollouts:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def input_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.cat([self.query_ids, self.response_ids], dim=1)  # (B, Q+T)
-        mask = torch.cat([self.query_mask, self.response_mask], dim=1)  # (B, Q+T)
-        return ids, mask
-
 
 def left_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     width = max((len(s) for s in seqs), default=0) if width is None else width
