@@ -11,11 +11,8 @@ __version__ = "0.1.0"
 __all__ = ["Config", "ConfigError", "NamedRewardFn", "RewardError", "load_config", "train"]
 
 
-def train(*args, **kwargs):  # noqa: D401 - thin lazy wrapper so `import rallyrl` stays cheap
-    """Fine-tune with PPO; see ``rallyrl.trainer.train``."""
+def train(*args, **kwargs):
+    """Fine-tune with PPO; see ``rallyrl.trainer.train`` (imported lazily so `import rallyrl` stays cheap)."""
     from .trainer import train as _train
 
     return _train(*args, **kwargs)
-
-
-train.__doc__ = "Fine-tune with PPO (see rallyrl.trainer.train)."

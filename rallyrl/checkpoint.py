@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import warnings
@@ -42,6 +41,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from . import dist
+from .seeding import get_rng_state, set_rng_state
 
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -147,28 +147,14 @@ def _load_split(base: Path) -> Any:
 
 
 def rank_rng_state(shuffle_gen: torch.Generator) -> dict[str, Any]:
-    py = random.getstate()
-    npst = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [npst[0], npst[1], int(npst[2]), int(npst[3]), float(npst[4])],
-        "torch": torch.get_rng_state(),
-        "shuffle": shuffle_gen.get_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())  # this rank's own device
-    return state
+    """Every RNG stream of this rank: the global ones (``seeding.get_rng_state``) and the minibatch
+    shuffle generator. ``split_tensors`` stores the tuples and arrays in it without pickling."""
+    return {"global": get_rng_state(), "shuffle": shuffle_gen.get_state()}
 
 
 def restore_rank_rng_state(state: dict[str, Any], shuffle_gen: torch.Generator) -> None:
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
+    set_rng_state(state["global"])
     shuffle_gen.set_state(state["shuffle"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
 
 
 # ------------------------------------------------------------------------------------------------

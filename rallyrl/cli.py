@@ -1,7 +1,7 @@
 """``rallyrl train | check``: the command line.
 
 ``rallyrl train CONFIG --nproc N`` starts N processes through PyTorch's own launcher
-(``torch.distributed.run --standalone``, which picks a free port); the same command also works when it
+(see ``rallyrl.dist.launch_command``); the same command also works when it
 is itself started by ``torchrun`` or ``accelerate launch`` (it then runs as one of their workers).
 """
 
@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print("rallyrl: error: --nproc must be >= 1", file=sys.stderr)
         return 2
     if args.nproc > 1 and not _under_launcher():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               "-m", "rallyrl.cli", "train", args.config]
+        from .dist import launch_command
+
+        cmd = launch_command(args.nproc, ["rallyrl.cli", "train", args.config])
         for o in args.overrides:
             cmd += ["--set", o]
         env = dict(os.environ)

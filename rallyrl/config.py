@@ -236,12 +236,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        errors = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                pass
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)

@@ -11,11 +11,28 @@ NCCL they need the current CUDA device to be set, which ``accelerate`` does when
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as tdist
+
+class _LazyModule:
+    """Imported on first use: the ``rallyrl train --nproc N`` launcher process only needs
+    ``launch_command`` and should not pay torch's import (seconds) before the workers start."""
+
+    def __init__(self, name: str) -> None:
+        self._name, self._module = name, None
+
+    def __getattr__(self, attr: str) -> Any:
+        if self._module is None:
+            self._module = importlib.import_module(self._name)
+        return getattr(self._module, attr)
+
+
+torch = _LazyModule("torch")
+tdist = _LazyModule("torch.distributed")
 
 
 def is_distributed() -> bool:
@@ -38,18 +55,54 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init_accelerator(timeout_s: float) -> Any:
-    """Create the ``accelerate.Accelerator`` (and so the process group, when launched with several ranks).
+_accelerator: Any = None
+
+
+def init_accelerator(timeout_s: float) -> torch.device:
+    """Create the ``accelerate.Accelerator`` (and so the process group, when launched with several ranks);
+    returns this rank's device.
 
     Without a GPU ``Accelerator()`` would silently report world size 1 under torchrun, so ``cpu=True`` is
     passed there: the ranks then form a gloo group. With GPUs the backend is NCCL. ``timeout_s`` bounds
     how long a rank waits in a collective for a dead or stuck peer.
     """
+    global _accelerator
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
     kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))
-    return Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[kwargs])
+    _accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[kwargs])
+    return _accelerator.device
+
+
+def launch_command(nproc: int, module_args: list[str]) -> list[str]:
+    """The command that starts ``python -m <module_args>`` on ``nproc`` local processes with PyTorch's
+    own launcher; ``--standalone`` picks a free rendezvous port, so parallel runs don't collide."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", *module_args]
+
+
+# --- data parallelism (DDP through accelerate): the gradient all-reduce happens in backward() -------
+
+
+def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, Any]:
+    """Wrap for data parallelism (DDP when there are several ranks; unchanged at world size 1)."""
+    return _accelerator.prepare(model, optimizer)
+
+
+def backward(loss: torch.Tensor) -> None:
+    """Backward pass; under DDP it all-reduces (averages) the gradients unless inside ``no_sync``."""
+    _accelerator.backward(loss)
+
+
+def no_sync(model: torch.nn.Module) -> Any:
+    """Context in which backward() only accumulates gradients locally (gradient accumulation)."""
+    return _accelerator.no_sync(model)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the (already synchronised) gradients; returns the norm before clipping."""
+    return float(_accelerator.clip_grad_norm_(model.parameters(), max_norm))
 
 
 def _device() -> torch.device:
@@ -67,29 +120,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return y.to(x.device)
 
 
-def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    if not is_distributed():
-        return x.clone()
-    y = x.detach().to(_device()).clone()
-    tdist.all_reduce(y, op=tdist.ReduceOp.MAX)
-    return y.to(x.device)
-
-
-def reduce_stats(stats: dict[str, float], op: str = "mean") -> dict[str, float]:
-    """Reduce a dict of scalars over ranks with ONE all-reduce (``op``: "mean", "sum" or "max").
+def reduce_stats(stats: dict[str, float]) -> dict[str, float]:
+    """Sum a dict of scalars over ranks with ONE all-reduce (callers derive means from sums).
 
     Every rank must pass the same keys (they are sorted so the order cannot differ).
     """
     if not stats:
         return {}
     keys = sorted(stats)
-    vec = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64)
-    if op == "max":
-        vec = all_reduce_max(vec)
-    else:
-        vec = all_reduce_sum(vec)
-        if op == "mean":
-            vec = vec / world_size()
+    vec = all_reduce_sum(torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64))
     return {k: float(v) for k, v in zip(keys, vec.tolist())}
 
 
@@ -127,6 +166,19 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj if rank() == src else None]
     tdist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def run_on_main(fn: Callable[[], Any], describe: Callable[[BaseException], str] = str) -> tuple[str, Any]:
+    """Run ``fn`` on the main rank only and give every rank its outcome: ``("ok", value)`` or
+    ``("error", describe(exception))``. Failure is shared, never left as a peer blocked in the
+    broadcast; the caller raises its own error type on every rank."""
+    outcome: tuple[str, Any] = ("ok", None)
+    if is_main():
+        try:
+            outcome = ("ok", fn())
+        except Exception as e:  # reported to every rank by the broadcast below
+            outcome = ("error", describe(e))
+    return broadcast_object(outcome, src=0)
 
 
 def barrier() -> None:

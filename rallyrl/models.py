@@ -52,7 +52,6 @@ class PolicyWithValueHead(nn.Module):
         with torch.no_grad():
             last.weight.copy_((torch.randn(last.weight.shape, generator=g) * value_head_std).to(dtype))
             last.bias.zero_()
-        self._keeps_logits = "logits_to_keep" in inspect.signature(lm.forward).parameters
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int
@@ -62,18 +61,8 @@ class PolicyWithValueHead(nn.Module):
         Returns logits (B, T, V) predicting each response token and values (B, T): the value of the
         state in which response token t is chosen (the hidden state one position before it).
         """
+        out = _response_forward(self.lm, input_ids, attention_mask, response_len, hidden_states=True)
         T = response_len
-        # Left padding shifts the real tokens; positions count real tokens only (as generate() does).
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
-        kwargs = {"logits_to_keep": T + 1} if self._keeps_logits else {}
-        out = self.lm(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            output_hidden_states=True,
-            use_cache=False,
-            **kwargs,
-        )
         logits = out.logits[:, -(T + 1) : -1]  # (B, T, V)
         hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # (B, T, H)
         values = self.v_head(hidden).squeeze(-1)  # (B, T)
@@ -85,10 +74,25 @@ def reference_logits(
 ) -> torch.Tensor:
     """Logits (B, T, V) of the frozen reference policy for the response tokens."""
     T = response_len
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    kwargs = {"logits_to_keep": T + 1} if "logits_to_keep" in inspect.signature(ref.forward).parameters else {}
-    out = ref(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs)
-    return out.logits[:, -(T + 1) : -1]
+    return _response_forward(ref, input_ids, attention_mask, T, hidden_states=False).logits[:, -(T + 1) : -1]
+
+
+def _response_forward(lm: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
+                      hidden_states: bool) -> object:
+    """The causal-LM forward both passes share: left padding shifts the real tokens, so positions count
+    real tokens only (as generate() does); only the last T + 1 logits are computed where the model
+    supports it."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
+    keep = "logits_to_keep" in inspect.signature(lm.forward).parameters
+    return lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+              output_hidden_states=hidden_states, use_cache=False,
+              **({"logits_to_keep": response_len + 1} if keep else {}))
+
+
+def max_positions(config: object) -> int | None:
+    """The longest sequence the model accepts, from its (text) config; None if it does not say."""
+    c = config.get_text_config()
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
 
 @dataclass
@@ -96,7 +100,6 @@ class LoadedModels:
     policy: PolicyWithValueHead
     ref: nn.Module
     tokenizer: object
-    max_positions: int | None
 
 
 def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
@@ -139,11 +142,12 @@ def check_model_folder(cfg: ModelConfig) -> None:
         raise ModelLoadError(f"model.path: {path} has no config.json (not a saved Hugging Face model)")
 
 
-def load_models(cfg: ModelConfig, seed: int) -> LoadedModels:
+def load_models(cfg: ModelConfig, seed: int, tokenizer: object | None = None) -> LoadedModels:
+    """Policy (with value head), frozen reference and tokenizer (``tokenizer`` if already loaded)."""
     from transformers import AutoModelForCausalLM
 
     check_model_folder(cfg)
-    tok = load_tokenizer(cfg)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     try:
         lm = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=_DTYPES[cfg.dtype])
     except Exception as e:
@@ -153,6 +157,4 @@ def load_models(cfg: ModelConfig, seed: int) -> LoadedModels:
     lm.eval()
     ref = copy.deepcopy(lm).eval().requires_grad_(False)
     policy = PolicyWithValueHead(lm, cfg.value_head_std, seed, cfg.value_head).eval()
-    text_cfg = lm.config.get_text_config()
-    max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
-    return LoadedModels(policy=policy, ref=ref, tokenizer=tok, max_positions=max_pos)
+    return LoadedModels(policy=policy, ref=ref, tokenizer=tok)

@@ -1,11 +1,12 @@
 """Pure tensor math for PPO on language models.
 
-Nothing in this module talks to ``torch.distributed``, reads a config object or
+Nothing in this module talks to other processes, reads a config object or
 does I/O. Where a statistic has to be global across processes, the function
 takes an optional ``reduce`` callable that sums a 1-D float tensor over all
 processes (the collectives module supplies one; ``None`` means "this process
 only"). Each statistics computation calls ``reduce`` exactly once, on one
-stacked vector, so a distributed run pays a single all-reduce per statistic.
+stacked vector, so a multi-process run pays one collective per statistic
+(made by the caller, in ``rallyrl.dist``).
 
 Shape legend used in docstrings and ``# (B, T)`` comments:
 
@@ -57,7 +58,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # helpers
 # --------------------------------------------------------------------------- #
 def _bool_mask(mask: Tensor, like: Tensor) -> Tensor:
-    """Return ``mask`` as a bool tensor broadcast to ``like.shape``."""
+    """Return ``mask`` as a bool tensor expanded to ``like.shape``."""
     m = mask if mask.dtype == torch.bool else mask != 0
     return m.expand(like.shape)
 
@@ -86,6 +87,12 @@ def _rowwise_fp32(logits: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
 # --------------------------------------------------------------------------- #
 # log-probs, entropy, KL
 # --------------------------------------------------------------------------- #
+def _label_logprob(logits: Tensor, labels: Tensor) -> Tensor:
+    """``x[y] - logsumexp(x)`` over the last dim: (..., V), (...) -> (...)."""
+    picked = torch.take_along_dim(logits, labels.unsqueeze(-1), dim=-1).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     """Log-probability of ``labels`` under the categorical given by ``logits``.
 
@@ -98,22 +105,16 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
         ``(B, T)`` ``log p(label)``; dtype of ``logits`` for float32/float64,
         float32 for fp16/bf16 logits.
 
-    ``log_softmax(x)[y] = x[y] - logsumexp(x)``: gathering one logit and
+    ``log_softmax(x)[y] = x[y] - logsumexp(x)``: picking one logit and
     subtracting the logsumexp avoids keeping a full (B, T, V) log-softmax
     output alive (and saved for backward) only to read one entry per token.
     """
     if logits.dtype not in _LOW_PRECISION:
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        return picked - torch.logsumexp(logits, dim=-1)  # (B, T)
+        return _label_logprob(logits, labels)  # (B, T)
     if logits.dim() < 3 or logits.shape[0] == 0:
-        lg = logits.float()
-        return lg.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1)
+        return _label_logprob(logits.float(), labels)
     # half precision: upcast one (T, V) row at a time, see _rowwise_fp32
-    rows = []
-    for row_logits, row_labels in zip(logits, labels):
-        row = row_logits.float()  # (T, V)
-        picked = row.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)  # (T,)
-        rows.append(picked - torch.logsumexp(row, dim=-1))  # (T,)
+    rows = [_label_logprob(row_logits.float(), row_labels) for row_logits, row_labels in zip(logits, labels)]
     return torch.stack(rows)  # (B, T)
 
 
@@ -178,7 +179,7 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
     Args:
         x: any shape, e.g. ``(B, T)``.
-        mask: broadcastable to ``x``; bool or 0/1.
+        mask: same shape as ``x`` or expandable to it; bool or 0/1.
         dim: reduce only this dim (e.g. ``dim=-1`` gives ``(B,)``); None = all.
 
     ``torch.where`` rather than ``x * mask`` so garbage (inf/nan) at padded
@@ -194,7 +195,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
     Args:
         x: any shape, e.g. ``(B, T)``.
-        mask: broadcastable to ``x``.
+        mask: same shape as ``x`` or expandable to it.
         dim: as in :func:`masked_sum`.
     """
     m = _bool_mask(mask, x)
@@ -217,7 +218,7 @@ def _moments_from_sums(sums: Tensor, unbiased: bool) -> tuple[Tensor, Tensor, Te
     safe = count.clamp(min=1)
     mean = total / safe
     # E[x^2] - E[x]^2 in float64: a single summed vector is what lets one
-    # all-reduce give global moments; float64 keeps the cancellation harmless
+    # cross-process sum give global moments; float64 keeps the cancellation harmless
     # for reward/advantage magnitudes. Clamp guards tiny negative round-off.
     var = (total_sq / safe - mean.square()).clamp(min=0)
     if unbiased:
@@ -236,7 +237,7 @@ def masked_moments(
 
     Args:
         x: e.g. ``(B, T)``.
-        mask: broadcastable to ``x``.
+        mask: same shape as ``x`` or expandable to it.
         reduce: sums the local float64 vector ``[sum, sum_sq, count]`` over
             processes (called exactly once); None = local statistics.
         unbiased: apply Bessel's correction ``count / (count - 1)`` when

@@ -52,26 +52,31 @@ class Rollouts:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def total_rewards(self) -> torch.Tensor:
+        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards."""
+        dense = self.dense_scores.sum(1).double() if self.dense_scores is not None else 0.0
+        return self.scores.double() + dense  # float64: the logged value is the exact sum of the two parts
 
-def left_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(s) for s in seqs), default=0) if width is None else width
+
+def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(x) for x in seqs), default=0)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = True
+    for i, x in enumerate(seqs):
+        cols = slice(width - len(x), width) if left else slice(0, len(x))
+        ids[i, cols] = torch.tensor(x, dtype=torch.long)
+        mask[i, cols] = True
     return ids, mask
 
 
-def right_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(s) for s in seqs), default=0) if width is None else width
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = True
-    return ids, mask
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, Q) ids and mask, padded on the left (prompts: every response starts at the same column)."""
+    return _pad(seqs, pad_id, left=True)
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and mask, padded on the right (responses)."""
+    return _pad(seqs, pad_id, left=False)
 
 
 def truncate_at_stop(ids: list[int], tokenizer: Any, stop_sequences: list[str]) -> list[int]:

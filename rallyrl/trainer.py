@@ -12,6 +12,7 @@ are global over all ranks, so N processes compute what one process would on the 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import sys
@@ -27,9 +28,9 @@ from . import checkpoint as ckpt
 from . import dist, ops
 from .config import BatchPlan, Config, ConfigError, load_config, make_batch_plan, reward_fn_name, split_evenly
 from .data import PromptSampler, load_prompts
-from .models import LoadedModels, check_model_folder, load_models, load_tokenizer
+from .models import LoadedModels, check_model_folder, load_models, load_tokenizer, max_positions
 from .reward.loading import load_callable
-from .reward.step import NamedRewardFn, Reward, RewardError, RewardStep, Samples, StepStats, _failure
+from .reward.step import NamedRewardFn, Reward, RewardError, RewardStep, Samples, StepStats, _failure, call_kwargs
 from .rollout import Rollouts, generate, left_pad, right_pad, score_tokens
 from .seeding import isolated_rng, rank_seed, seed_everything
 from .tracking import RunWriter
@@ -55,8 +56,8 @@ class TrainState:
 class TrainResult:
     run_dir: Path
     metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per iteration (main rank)
-    eval_before: dict[str, float] = field(default_factory=dict)
-    eval_after: dict[str, float] = field(default_factory=dict)
+    eval_before: dict[str, float] = field(default_factory=dict)  # eval/* before the first iteration
+    eval_after: dict[str, float] = field(default_factory=dict)  # eval/* of the latest evaluation
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,7 +217,6 @@ def ppo_update(
     model: torch.nn.Module,  # the (possibly DDP-wrapped) PolicyWithValueHead
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
-    accelerator: Any,
     ro: Rollouts,
     advantages: torch.Tensor,
     returns: torch.Tensor,
@@ -244,11 +244,10 @@ def ppo_update(
             # synchronises (ranks may take different numbers of micro-batches).
             micro = torch.split(mb, cfg.ppo.micro_batch_size or len(mb))
             for k, part in enumerate(micro):
-                sync = contextlib.nullcontext() if k == len(micro) - 1 else accelerator.no_sync(model)
+                sync = contextlib.nullcontext() if k == len(micro) - 1 else dist.no_sync(model)
                 with sync:
-                    _micro_step(model, accelerator, ro, part, advantages, returns, global_counts[j] / W,
-                                cfg, device, sums)
-            sums["grad_norm"] += float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                    _micro_step(model, ro, part, advantages, returns, global_counts[j] / W, cfg, device, sums)
+            sums["grad_norm"] += dist.clip_grad_norm(model, max_norm)
             optimizer.step()
             scheduler.step()
             state.optimizer_steps += 1
@@ -256,7 +255,7 @@ def ppo_update(
     return sums
 
 
-def _micro_step(model: torch.nn.Module, accelerator: Any, ro: Rollouts, rows: torch.Tensor,
+def _micro_step(model: torch.nn.Module, ro: Rollouts, rows: torch.Tensor,
                 advantages: torch.Tensor, returns: torch.Tensor, n_norm: torch.Tensor, cfg: Config,
                 device: torch.device, sums: dict[str, float]) -> None:
     """Forward + backward of the PPO loss on ``rows`` of the batch; adds its statistics to ``sums``."""
@@ -282,7 +281,7 @@ def _micro_step(model: torch.nn.Module, accelerator: Any, ro: Rollouts, rows: to
     else:
         with torch.no_grad():
             ent = ops.entropy_from_logits(logits)
-    accelerator.backward(loss)
+    dist.backward(loss)
     n_local = float(m.sum())
     sums["pg_loss"] += pg.item()
     sums["vf_loss"] += vf.item()
@@ -317,36 +316,32 @@ def evaluate(
     with isolated_rng():
         ro, _, _ = collect_rollouts(models, reward_step, records, query_ids, mine, offset, rounds,
                                     cfg.rollout.chunk_size, cfg, device, cfg.eval.do_sample)
-    local = [{"index": i, "prompt": p, "output": o, "reward": float(ro.scores[k])
-              + (float(ro.dense_scores[k].sum()) if ro.dense_scores is not None else 0.0),
+    totals = ro.total_rewards().tolist()
+    local = [{"index": i, "prompt": p, "output": o, "reward": totals[k],
               "output_token_ids": ro.response_ids[k][ro.response_mask[k]].tolist(), "metadata": md}
              for k, (i, p, o, md) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs, ro.metadata))]
     gathered = dist.gather_objects(local, dst=0)
-    result: tuple[str, Any] = ("ok", {})
-    samples: list[dict[str, Any]] = []
-    if dist.is_main():
-        samples = [s for part in gathered or [] for s in part]
+    samples = [s for part in gathered or [] for s in part]  # every eval sample, on the main rank only
+
+    def score() -> dict[str, float]:
         metrics = {"eval/reward_mean": sum(s["reward"] for s in samples) / max(1, len(samples))}
-        if metric_fn is not None:
-            try:
-                part = Samples([s["prompt"] for s in samples], [s["output"] for s in samples],
-                               [s["output_token_ids"] for s in samples], [s["metadata"] for s in samples])
-                from .reward.step import call_kwargs
-                with isolated_rng():
-                    out = metric_fn([p + o for p, o in zip(part.prompts, part.outputs)], part.prompts,
-                                    part.outputs, **call_kwargs(part, models.tokenizer))
-                if not isinstance(out, dict):
-                    raise TypeError(f"metric_fn must return a dict of name -> per-sample values, got {type(out).__name__}")
-                for name, vals in out.items():
-                    vals = list(vals)
-                    metrics[f"eval/{name}"] = sum(float(v) for v in vals) / max(1, len(vals))
-                    for s, v in zip(samples, vals):
-                        s[name] = float(v)
-            except Exception as e:
-                result = ("error", _failure(e, 0))
-        if result[0] == "ok":
-            result = ("ok", metrics)
-    status, payload = dist.broadcast_object(result, src=0)
+        if metric_fn is None:
+            return metrics
+        part = Samples([s["prompt"] for s in samples], [s["output"] for s in samples],
+                       [s["output_token_ids"] for s in samples], [s["metadata"] for s in samples])
+        with isolated_rng():
+            out = metric_fn([p + o for p, o in zip(part.prompts, part.outputs)], part.prompts,
+                            part.outputs, **call_kwargs(part, models.tokenizer))
+        if not isinstance(out, dict):
+            raise TypeError(f"metric_fn must return a dict of name -> per-sample values, got {type(out).__name__}")
+        for name, vals in out.items():
+            vals = list(vals)
+            metrics[f"eval/{name}"] = sum(float(v) for v in vals) / max(1, len(vals))
+            for s, v in zip(samples, vals):
+                s[name] = float(v)
+        return metrics
+
+    status, payload = dist.run_on_main(score, describe=lambda e: _failure(e, 0))
     if status == "error":
         raise RewardError("metric_fn failed " + payload)
     payload["time/eval"] = time.perf_counter() - t0
@@ -385,19 +380,20 @@ def train(
     _check_run_dir(cfg)
     check_model_folder(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    max_pos = _max_positions(cfg.model.path)
+    from transformers import AutoConfig
+
+    max_pos = max_positions(AutoConfig.from_pretrained(cfg.model.path))
     query_ids = tokenize_prompts(records, tokenizer, max_pos, cfg.generation.max_new_tokens, "data.prompts")
     eval_query_ids = tokenize_prompts(eval_records, tokenizer, max_pos, cfg.generation.max_new_tokens,
                                       "data.eval_prompts")
 
     # -- processes, seeds, models
-    accelerator = dist.init_accelerator(cfg.dist.timeout_s)
+    device = dist.init_accelerator(cfg.dist.timeout_s)
     W, R = dist.world_size(), dist.rank()
     plan = make_batch_plan(cfg, W)
     torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
-    device = accelerator.device
     torch.manual_seed(cfg.train.seed)  # shared: any random init inside from_pretrained matches on all ranks
-    models = _quiet(load_models, cfg.model, cfg.train.seed)
+    models = _quiet(load_models, cfg.model, cfg.train.seed, tokenizer)
     models.policy.to(device)
     models.ref.to(device)
     seed_everything(cfg.train.seed, R)  # per-rank: generation sampling
@@ -405,7 +401,7 @@ def train(
                                   weight_decay=cfg.ppo.weight_decay)
     total_steps = cfg.train.iterations * plan.optimizer_steps_per_iteration
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, total_steps))
-    model, optimizer = accelerator.prepare(models.policy, optimizer)
+    model, optimizer = dist.prepare(models.policy, optimizer)
     reward_step = RewardStep(reward_fns, cfg.reward.placement, cfg.reward.batch_size, models.tokenizer)
     state = TrainState(
         iteration=0,
@@ -440,7 +436,7 @@ def train(
 
     try:
         if resumed_from is None:
-            result.eval_before = run_eval(0)
+            result.eval_before = {k: v for k, v in run_eval(0).items() if k.startswith("eval/")}
         else:
             _say(f"resumed from {resumed_from} at iteration {state.iteration}")
         bar = _progress(cfg, state.iteration)
@@ -464,7 +460,7 @@ def train(
 
             # 5. PPO epochs
             t0 = time.perf_counter()
-            upd = ppo_update(model, optimizer, scheduler, accelerator, ro, advantages, returns, state, cfg, device)
+            upd = ppo_update(model, optimizer, scheduler, ro, advantages, returns, state, cfg, device)
             t_update = time.perf_counter() - t0
 
             # 6. statistics (one all-reduce), KL controller, logs
@@ -478,7 +474,9 @@ def train(
                 _log_rollouts(writer, ro, step, R)
             if eval_records and ((cfg.eval.interval and step % cfg.eval.interval == 0)
                                  or step == cfg.train.iterations):
-                metrics.update(run_eval(step))
+                evaluated = run_eval(step)
+                metrics.update(evaluated)
+                result.eval_after = {k: v for k, v in evaluated.items() if k.startswith("eval/")}
             state.iteration = step
             metrics["time/iteration"] = time.perf_counter() - t_iter
             if writer:
@@ -492,9 +490,6 @@ def train(
                                      state.shuffle_gen, cfg.checkpoint.keep_last)
         if bar is not None:
             bar.close()
-        result.eval_after = result.metrics[-1] if result.metrics and eval_records else {}
-        if result.eval_after:
-            result.eval_after = {k: v for k, v in result.eval_after.items() if k.startswith("eval/")}
         if cfg.train.save_final and dist.is_main():
             _quiet(_save_final, models, run_dir / "final")
         dist.barrier()
@@ -519,13 +514,7 @@ def _state_dict(state: TrainState, scheduler: Any) -> dict[str, Any]:
 def _maybe_resume(cfg: Config, run_dir: Path, models: LoadedModels, optimizer: Any, scheduler: Any,
                   state: TrainState) -> Path:
     """Restore the run from a checkpoint; the main rank picks it so every rank loads the same one."""
-    chosen: tuple[str, Any] = ("ok", None)
-    if dist.is_main():
-        try:
-            chosen = ("ok", str(ckpt.resolve_resume(run_dir, cfg.train.resume or "latest")))
-        except ckpt.CheckpointError as e:
-            chosen = ("error", str(e))
-    status, path_s = dist.broadcast_object(chosen)
+    status, path_s = dist.run_on_main(lambda: str(ckpt.resolve_resume(run_dir, cfg.train.resume or "latest")))
     if status == "error":
         raise ckpt.CheckpointError(path_s)
     path = Path(path_s)
@@ -546,12 +535,10 @@ def _maybe_resume(cfg: Config, run_dir: Path, models: LoadedModels, optimizer: A
 
 
 def _truncate_log(path: Path, last_step: int) -> None:
-    import json as _json
-
     if not path.is_file():
         return
     keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and _json.loads(line)["step"] <= last_step]
+            if line.strip() and json.loads(line)["step"] <= last_step]
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
@@ -589,13 +576,6 @@ def _required(v: Any, key: str) -> Any:
     return v
 
 
-def _max_positions(path: str) -> int | None:
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(path).get_text_config()
-    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
-
-
 def _lr_lambda(cfg: Config, total: int) -> Callable[[int], float]:
     warm, kind = cfg.ppo.warmup_steps, cfg.ppo.lr_schedule
 
@@ -613,11 +593,11 @@ def _lr_lambda(cfg: Config, total: int) -> Callable[[int], float]:
 def _iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor, rstats: StepStats,
                        upd: dict[str, float], names: list[str], state: TrainState, plan: BatchPlan) -> dict[str, float]:
     """Global statistics of the iteration, with ONE all-reduce (sums; means derived afterwards)."""
-    total = ro.scores + (ro.dense_scores.sum(1) if ro.dense_scores is not None else 0)  # (B,)
+    total = ro.total_rewards()  # (B,)
     m = ro.response_mask
     resid = (returns - ro.values) * m
     local = {
-        "n": float(len(ro)), "reward_sum": float(total.sum()), "reward_sq": float((total.double() ** 2).sum()),
+        "n": float(len(ro)), "reward_sum": float(total.sum()), "reward_sq": float((total**2).sum()),
         "kl_sum": float(seq_kl.sum()), "len_sum": float(m.sum()),
         "value_sum": float((ro.values * m).sum()),
         "ret_sum": float(returns.mul(m).sum()), "ret_sq": float(returns.double().pow(2).mul(m).sum()),
@@ -626,7 +606,7 @@ def _iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor
         **{f"u_{k}": v for k, v in upd.items()},
         **{f"c_{n}": float(sum(c.get(n, 0.0) for c in ro.reward_components)) for n in names},
     }
-    g = dist.reduce_stats(local, op="sum")
+    g = dist.reduce_stats(local)
     W = plan.world_size
     n, tok = g["n"], max(1.0, g["len_sum"])
     mean = g["reward_sum"] / n
@@ -661,8 +641,8 @@ def _iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor
 
 
 def _log_rollouts(writer: RunWriter | None, ro: Rollouts, step: int, rank: int) -> None:
-    recs = [{"step": step, "rank": rank, "index": i, "prompt": p, "output": o,
-             "reward": float(ro.scores[k]) + (float(ro.dense_scores[k].sum()) if ro.dense_scores is not None else 0.0),
+    totals = ro.total_rewards().tolist()
+    recs = [{"step": step, "rank": rank, "index": i, "prompt": p, "output": o, "reward": totals[k],
              "kl": float((ro.logprobs[k] - ro.ref_logprobs[k])[ro.response_mask[k]].sum())}
             for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
     gathered = dist.gather_objects(recs, dst=0)

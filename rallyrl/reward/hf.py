@@ -149,9 +149,9 @@ class HFClassifierReward:
     def _limit(self) -> int | None:
         if self.max_length is not None:
             return self.max_length
-        c = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        known = [getattr(c, k, None) for k in ("max_position_embeddings", "n_positions")]
-        known.append(getattr(self.tokenizer, "model_max_length", None))
+        from ..models import max_positions
+
+        known = [max_positions(self.config), getattr(self.tokenizer, "model_max_length", None)]
         known = [int(k) for k in known if isinstance(k, int) and 0 < k < 1_000_000]
         return min(known) if known else None
 

@@ -1,9 +1,7 @@
 """A real 2-iteration single-process PPO run on a tiny GPT-2 built in the test."""
 
-import json
 
 import pytest
-import torch
 import yaml
 
 import rallyrl

@@ -72,6 +72,18 @@ def cli(capsys, *argv: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+@pytest.fixture
+def train_fails(capsys, write_cfg, run_dir):
+    """`rallyrl train` on the valid config with these sections changed must be a user error naming every
+    needle, raised before the run directory exists."""
+
+    def check(*needles: str, **sections) -> None:
+        assert_user_error(*cli(capsys, "train", str(write_cfg(**sections))), *needles)
+        assert not run_dir.exists()
+
+    return check
+
+
 def assert_user_error(rc: int, err: str, *needles: str) -> None:
     assert rc == 2, err
     assert err.startswith("rallyrl: error: "), err
@@ -99,9 +111,8 @@ def test_missing_config_file_through_the_real_entry_point(tmp_path):
     assert str(path) in p.stderr and "Traceback" not in p.stderr
 
 
-def test_unknown_key(capsys, write_cfg, run_dir):
-    assert_user_error(*cli(capsys, "train", str(write_cfg(ppo={"lrr": 1e-3}))), "'ppo.lrr'", "'ppo.lr'")
-    assert not run_dir.exists()
+def test_unknown_key(train_fails):
+    train_fails("'ppo.lrr'", "'ppo.lr'", ppo={"lrr": 1e-3})
 
 
 def test_bad_override(capsys, write_cfg, run_dir):
@@ -127,9 +138,8 @@ def test_check_prints_the_resolved_config(capsys, write_cfg):
         ({"reward": {"placement": "mian"}}, "reward.placement"),
     ],
 )
-def test_bad_values(capsys, write_cfg, run_dir, sections, key):
-    assert_user_error(*cli(capsys, "train", str(write_cfg(**sections))), key)
-    assert not run_dir.exists()
+def test_bad_values(train_fails, sections, key):
+    train_fails(key, **sections)
 
 
 def test_nproc_zero(capsys, write_cfg, run_dir):
@@ -141,32 +151,26 @@ def test_nproc_zero(capsys, write_cfg, run_dir):
 # prompts
 
 
-def test_missing_prompts_file(capsys, write_cfg, run_dir, tmp_path):
+def test_missing_prompts_file(train_fails, tmp_path):
     missing = tmp_path / "nope.jsonl"
-    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"prompts": str(missing)}))),
-                      "data.prompts", str(missing))
-    assert not run_dir.exists()
+    train_fails("data.prompts", str(missing), data={"prompts": str(missing)})
 
 
-def test_missing_eval_prompts_file(capsys, write_cfg, run_dir, tmp_path):
+def test_missing_eval_prompts_file(train_fails, tmp_path):
     missing = tmp_path / "eval.jsonl"
-    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"eval_prompts": str(missing)}))),
-                      "eval_prompts", str(missing))
-    assert not run_dir.exists()
+    train_fails("eval_prompts", str(missing), data={"eval_prompts": str(missing)})
 
 
-def test_prompts_unset(capsys, write_cfg, run_dir):
-    assert_user_error(*cli(capsys, "train", str(write_cfg(data=None))), "data.prompts")
-    assert not run_dir.exists()
+def test_prompts_unset(train_fails):
+    train_fails("data.prompts", data=None)
 
 
-def test_malformed_prompts_jsonl(capsys, write_cfg, run_dir, tmp_path):
+def test_malformed_prompts_jsonl(train_fails, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
-    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"prompts": str(f)}))), "data.prompts", f"{f}:2")
+    train_fails("data.prompts", f"{f}:2", data={"prompts": str(f)})
     f.write_text('{"prompt": "ok"}\nnot json\n')
-    assert_user_error(*cli(capsys, "train", str(write_cfg(data={"prompts": str(f)}))), "data.prompts", f"{f}:2")
-    assert not run_dir.exists()
+    train_fails("data.prompts", f"{f}:2", data={"prompts": str(f)})
 
 
 @pytest.fixture(scope="module")
@@ -204,31 +208,24 @@ def test_prompt_plus_new_tokens_over_the_limit(capsys, write_cfg, run_dir, short
 # model folder
 
 
-def test_missing_model_folder(capsys, write_cfg, run_dir, tmp_path):
+def test_missing_model_folder(train_fails, tmp_path):
     missing = tmp_path / "no-model"
-    assert_user_error(*cli(capsys, "train", str(write_cfg(model={"path": str(missing)}))),
-                      "model.path", str(missing))
-    assert not run_dir.exists()
+    train_fails("model.path", str(missing), model={"path": str(missing)})
 
 
-def test_model_path_unset(capsys, write_cfg, run_dir):
-    assert_user_error(*cli(capsys, "train", str(write_cfg(model=None))), "model.path")
-    assert not run_dir.exists()
+def test_model_path_unset(train_fails):
+    train_fails("model.path", model=None)
 
 
-def test_model_folder_without_config_json(capsys, write_cfg, run_dir, tmp_path):
+def test_model_folder_without_config_json(train_fails, tmp_path):
     empty = tmp_path / "empty-model"
     empty.mkdir()
-    assert_user_error(*cli(capsys, "train", str(write_cfg(model={"path": str(empty)}))),
-                      "model.path", str(empty), "config.json")
-    assert not run_dir.exists()
+    train_fails("model.path", str(empty), "config.json", model={"path": str(empty)})
 
 
-def test_missing_tokenizer_folder(capsys, write_cfg, run_dir, tmp_path):
+def test_missing_tokenizer_folder(train_fails, tmp_path):
     missing = tmp_path / "no-tokenizer"
-    assert_user_error(*cli(capsys, "train", str(write_cfg(model={"tokenizer_path": str(missing)}))),
-                      "model.tokenizer_path", str(missing))
-    assert not run_dir.exists()
+    train_fails("model.tokenizer_path", str(missing), model={"tokenizer_path": str(missing)})
 
 
 @pytest.fixture
@@ -272,32 +269,25 @@ def test_reward_attribute_missing(capsys, write_cfg, run_dir):
     assert not run_dir.exists()
 
 
-def test_reward_attribute_not_callable(capsys, write_cfg, run_dir, tmp_path):
+def test_reward_attribute_not_callable(train_fails, tmp_path):
     f = tmp_path / "my_rewards_notcallable.py"
     f.write_text("SCORE = 3\n")
-    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": f"{f}:SCORE"}))),
-                      "reward.fn", "SCORE", "not callable")
-    assert not run_dir.exists()
+    train_fails("reward.fn", "SCORE", "not callable", reward={"fn": f"{f}:SCORE"})
 
 
-def test_reward_py_file_missing(capsys, write_cfg, run_dir, tmp_path):
+def test_reward_py_file_missing(train_fails, tmp_path):
     f = tmp_path / "missing_rewards.py"
-    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": f"{f}:score"}))), "reward.fn", str(f))
-    assert not run_dir.exists()
+    train_fails("reward.fn", str(f), reward={"fn": f"{f}:score"})
 
 
-def test_reward_py_file_that_fails_to_import(capsys, write_cfg, run_dir, tmp_path):
+def test_reward_py_file_that_fails_to_import(train_fails, tmp_path):
     f = tmp_path / "broken_rewards.py"
     f.write_text("import no_such_dependency_xyz\n\ndef score(samples, prompts, outputs, **kw):\n    return []\n")
-    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": f"{f}:score"}))),
-                      "reward.fn", str(f), "no_such_dependency_xyz")
-    assert not run_dir.exists()
+    train_fails("reward.fn", str(f), "no_such_dependency_xyz", reward={"fn": f"{f}:score"})
 
 
-def test_reward_path_without_colon(capsys, write_cfg, run_dir):
-    assert_user_error(*cli(capsys, "train", str(write_cfg(reward={"fn": "tests.helpers.rewards"}))),
-                      "reward.fn", "module:attr")
-    assert not run_dir.exists()
+def test_reward_path_without_colon(train_fails):
+    train_fails("reward.fn", "module:attr", reward={"fn": "tests.helpers.rewards"})
 
 
 def test_reward_fns_entry_names_its_index(capsys, write_cfg, run_dir):
@@ -307,9 +297,8 @@ def test_reward_fns_entry_names_its_index(capsys, write_cfg, run_dir):
     assert not run_dir.exists()
 
 
-def test_no_reward_function(capsys, write_cfg, run_dir):
-    assert_user_error(*cli(capsys, "train", str(write_cfg(reward=None))), "reward.fn")
-    assert not run_dir.exists()
+def test_no_reward_function(train_fails):
+    train_fails("reward.fn", reward=None)
 
 
 def test_reward_factory_that_fails(capsys, write_cfg, run_dir):

@@ -4,7 +4,6 @@ rewards, metadata columns, RNG isolation (and a proof that the check can fail), 
 The same step with real collectives (2-3 processes, gloo) is tested in tests/dist/test_reward_*.py.
 """
 
-import math
 import random
 
 import numpy as np
