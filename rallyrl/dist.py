@@ -47,6 +47,12 @@ def rank() -> int:
     return tdist.get_rank() if is_distributed() else 0
 
 
+def expected_world_size() -> int:
+    """The world size this process will join: the launcher's ``WORLD_SIZE`` (torchrun, accelerate),
+    known before the process group starts, so inputs are checked for it first."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 

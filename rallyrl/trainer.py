@@ -28,8 +28,8 @@ from . import checkpoint as ckpt
 from . import dist, ops
 from .config import BatchPlan, Config, ConfigError, load_config, make_batch_plan, reward_fn_name, split_evenly
 from .data import PromptSampler, load_prompts
-from .models import LoadedModels, check_model_folder, load_models, load_tokenizer, max_positions
-from .reward.loading import load_callable
+from .inputs import prepare_inputs
+from .models import LoadedModels, load_models
 from .reward.step import NamedRewardFn, Reward, RewardError, RewardStep, Samples, StepStats, _failure, call_kwargs
 from .rollout import Rollouts, generate, left_pad, right_pad, score_tokens
 from .seeding import isolated_rng, rank_seed, seed_everything
@@ -62,43 +62,6 @@ class TrainResult:
 
 # ------------------------------------------------------------------------------------------------
 # Inputs: resolved and checked before any model is loaded
-
-
-def resolve_reward_fns(cfg: Config, reward_fn: Any) -> list[NamedRewardFn]:
-    if reward_fn is not None:
-        fns = reward_fn if isinstance(reward_fn, (list, tuple)) else [reward_fn]
-        out = []
-        for i, f in enumerate(fns):
-            if isinstance(f, NamedRewardFn):
-                out.append(f)
-            elif callable(f):
-                out.append(NamedRewardFn(getattr(f, "__name__", f"fn{i}"), f))
-            else:
-                raise ConfigError(f"reward_fn[{i}] is a {type(f).__name__}, not callable")
-        return out
-    if cfg.reward.fns:
-        return [
-            NamedRewardFn(reward_fn_name(s), load_callable(s.fn, f"reward.fns[{i}].fn", s.kwargs), s.weight)
-            for i, s in enumerate(cfg.reward.fns)
-        ]
-    if cfg.reward.fn:
-        fn = load_callable(cfg.reward.fn, "reward.fn", cfg.reward.kwargs)
-        return [NamedRewardFn(cfg.reward.fn.rsplit(":", 1)[-1], fn)]
-    raise ConfigError("no reward function: set reward.fn (or reward.fns) or pass reward_fn=")
-
-
-def tokenize_prompts(records: list[dict[str, Any]], tokenizer: Any, max_positions: int | None,
-                     max_new_tokens: int, what: str) -> list[list[int]]:
-    ids = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"] for r in records]
-    for i, q in enumerate(ids):
-        if not q:
-            raise ConfigError(f"{what}: prompt {i} tokenizes to nothing ({records[i]['prompt']!r})")
-        if max_positions is not None and len(q) + max_new_tokens > max_positions:
-            raise ConfigError(
-                f"{what}: prompt {i} has {len(q)} tokens; with generation.max_new_tokens={max_new_tokens} "
-                f"that exceeds the model's {max_positions} positions ({records[i]['prompt'][:60]!r}...)"
-            )
-    return ids
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,28 +332,16 @@ def train(
     """
     # -- inputs, all checked before any model is loaded
     cfg = load_config(config, list(overrides or []))
-    records = load_prompts(prompts if prompts is not None else _required(cfg.data.prompts, "data.prompts"),
-                           "prompts" if prompts is not None else "data.prompts")
-    eval_src = eval_prompts if eval_prompts is not None else cfg.data.eval_prompts
-    eval_records = (load_prompts(eval_src, "eval_prompts" if eval_prompts is not None else "data.eval_prompts")
-                    if eval_src is not None else [])
-    reward_fns = resolve_reward_fns(cfg, reward_fn)
-    if metric_fn is None and cfg.eval.metric_fn:
-        metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
+    inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
+    records, eval_records, reward_fns, metric_fn = inp.records, inp.eval_records, inp.reward_fns, inp.metric_fn
+    query_ids, eval_query_ids, tokenizer = inp.query_ids, inp.eval_query_ids, inp.tokenizer
     _check_run_dir(cfg)
-    check_model_folder(cfg.model)
-    tokenizer = load_tokenizer(cfg.model)
-    from transformers import AutoConfig
-
-    max_pos = max_positions(AutoConfig.from_pretrained(cfg.model.path))
-    query_ids = tokenize_prompts(records, tokenizer, max_pos, cfg.generation.max_new_tokens, "data.prompts")
-    eval_query_ids = tokenize_prompts(eval_records, tokenizer, max_pos, cfg.generation.max_new_tokens,
-                                      "data.eval_prompts")
 
     # -- processes, seeds, models
     device = dist.init_accelerator(cfg.dist.timeout_s)
     W, R = dist.world_size(), dist.rank()
-    plan = make_batch_plan(cfg, W)
+    plan = inp.plan
+    assert plan.world_size == W, f"launcher said {plan.world_size} processes, the process group has {W}"
     torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
     torch.manual_seed(cfg.train.seed)  # shared: any random init inside from_pretrained matches on all ranks
     models = _quiet(load_models, cfg.model, cfg.train.seed, tokenizer)

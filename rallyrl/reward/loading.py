@@ -7,7 +7,11 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import RewardConfig
+    from .step import NamedRewardFn
 
 
 class ImportPathError(ValueError):
@@ -67,3 +71,28 @@ def load_callable(spec: str, what: str = "reward.fn", kwargs: dict[str, Any] | N
         if not callable(obj):
             raise ImportPathError(f"{what}: {spec!r}(**kwargs) returned a {type(obj).__name__}, not a callable")
     return obj
+
+
+def resolve_reward_fns(cfg: "RewardConfig", reward_fn: Any = None) -> list["NamedRewardFn"]:
+    """The run's reward functions: ``reward_fn`` (a callable, a ``NamedRewardFn`` or a list of them,
+    from the Python API) wins over ``reward.fns`` / ``reward.fn`` in the config."""
+    from ..config import ConfigError, reward_fn_name
+    from .step import NamedRewardFn
+
+    if reward_fn is not None:
+        fns = reward_fn if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+        out = []
+        for i, f in enumerate(fns):
+            if isinstance(f, NamedRewardFn):
+                out.append(f)
+            elif callable(f):
+                out.append(NamedRewardFn(getattr(f, "__name__", f"fn{i}"), f))
+            else:
+                raise ConfigError(f"reward_fn[{i}] is a {type(f).__name__}, not callable")
+        return out
+    if cfg.fns:
+        return [NamedRewardFn(reward_fn_name(s), load_callable(s.fn, f"reward.fns[{i}].fn", s.kwargs), s.weight)
+                for i, s in enumerate(cfg.fns)]
+    if cfg.fn:
+        return [NamedRewardFn(cfg.fn.rsplit(":", 1)[-1], load_callable(cfg.fn, "reward.fn", cfg.kwargs))]
+    raise ConfigError("no reward function: set reward.fn (or reward.fns) or pass reward_fn=")

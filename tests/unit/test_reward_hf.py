@@ -7,7 +7,7 @@ from transformers import AutoTokenizer, GPT2ForSequenceClassification
 import rallyrl
 from rallyrl.reward import HFClassifierError, HFClassifierReward, hf_classifier
 from rallyrl.reward.loading import RewardFactoryError
-from rallyrl.trainer import resolve_reward_fns
+from rallyrl.reward.loading import resolve_reward_fns
 from tests.helpers.rewards import build_tiny_classifier
 
 PROMPTS = ["the cat", "a dog", "good morning to", "we"]
@@ -122,7 +122,7 @@ def test_usable_from_yaml_as_a_factory(clf, tiny_model, tmp_path, count_loads):
                                "reward": {"fn": "rallyrl.reward:hf_classifier",
                                           "kwargs": {"path": str(clf), "label": "POS", "output": "prob",
                                                      "device": "cpu", "batch_size": 2}}})
-    (named,) = resolve_reward_fns(cfg, None)
+    (named,) = resolve_reward_fns(cfg.reward, None)
     assert named.name == "hf_classifier" and isinstance(named.fn, HFClassifierReward)
     assert not named.fn.loaded and count_loads == []  # building it read config.json only
     assert named.fn.batch_size == 2 and named.fn.output == "prob"
@@ -132,4 +132,4 @@ def test_usable_from_yaml_as_a_factory(clf, tiny_model, tmp_path, count_loads):
                                           "kwargs": {"path": str(clf), "label": "GOOD"}}})
     with pytest.raises(RewardFactoryError, match=r"reward.fn: rallyrl.reward:hf_classifier\(\*\*kwargs\) failed: "
                                                  r"HFClassifierError: .*its labels are 0='NEG', 1='POS'"):
-        resolve_reward_fns(bad, None)
+        resolve_reward_fns(bad.reward, None)

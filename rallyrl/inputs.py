@@ -1,0 +1,90 @@
+"""A run's inputs, resolved and checked before any process group starts or any weights load.
+
+``prepare_inputs`` is the single place that turns a ``Config`` (plus the Python-API overrides of
+``rallyrl.train``) into what the loop consumes: prompt records, reward and metric functions, the
+tokenizer, tokenized prompts and the batch plan for a world size. ``train()`` calls it in every worker,
+and ``rallyrl check`` / the ``--nproc N`` launcher call it in the launching process, so a dry run fails
+with exactly the error a real run would give, and before any worker exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import BatchPlan, Config, ConfigError, make_batch_plan
+from .data import load_prompts
+from .models import check_model_folder, load_tokenizer, max_positions
+from .reward.loading import load_callable, resolve_reward_fns
+from .reward.step import NamedRewardFn
+
+MetricFn = Callable[..., dict[str, Sequence[float]]]
+
+
+@dataclass
+class Inputs:
+    records: list[dict[str, Any]]  # training prompt records ({"prompt": str, ...metadata})
+    eval_records: list[dict[str, Any]]  # evaluation records ([] = no evaluation)
+    query_ids: list[list[int]]  # tokenized training prompts, aligned with records
+    eval_query_ids: list[list[int]]
+    reward_fns: list[NamedRewardFn]
+    metric_fn: MetricFn | None
+    tokenizer: Any  # PreTrainedTokenizerBase (pad token set, left padding)
+    plan: BatchPlan
+
+
+def prepare_inputs(
+    cfg: Config,
+    world_size: int,
+    reward_fn: Any = None,
+    metric_fn: MetricFn | None = None,
+    prompts: Sequence[Any] | str | None = None,
+    eval_prompts: Sequence[Any] | str | None = None,
+) -> Inputs:
+    """Everything checkable without weights, in the order a user fixes things: config arithmetic, data,
+    reward/metric imports, then the model folder and tokenizer. Raises the user-facing error types
+    (``ConfigError``, ``DataError``, ``ImportPathError``, ``ModelLoadError``)."""
+    plan = make_batch_plan(cfg, world_size)
+    if prompts is not None:
+        records = load_prompts(prompts, "prompts")
+    elif cfg.data.prompts is not None:
+        records = load_prompts(cfg.data.prompts, "data.prompts")
+    else:
+        raise ConfigError("data.prompts is required (or pass prompts= to train())")
+    eval_src, eval_what = ((eval_prompts, "eval_prompts") if eval_prompts is not None
+                           else (cfg.data.eval_prompts, "data.eval_prompts"))
+    eval_records = load_prompts(eval_src, eval_what) if eval_src is not None else []
+    reward_fns = resolve_reward_fns(cfg.reward, reward_fn)
+    if metric_fn is None and cfg.eval.metric_fn:
+        metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
+    check_model_folder(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    from transformers import AutoConfig
+
+    max_pos = max_positions(AutoConfig.from_pretrained(cfg.model.path))
+    n_new = cfg.generation.max_new_tokens
+    return Inputs(
+        records=records,
+        eval_records=eval_records,
+        query_ids=tokenize_prompts(records, tokenizer, max_pos, n_new, "data.prompts"),
+        eval_query_ids=tokenize_prompts(eval_records, tokenizer, max_pos, n_new, "data.eval_prompts"),
+        reward_fns=reward_fns,
+        metric_fn=metric_fn,
+        tokenizer=tokenizer,
+        plan=plan,
+    )
+
+
+def tokenize_prompts(records: list[dict[str, Any]], tokenizer: Any, max_positions: int | None,
+                     max_new_tokens: int, what: str) -> list[list[int]]:
+    ids = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"] for r in records]
+    for i, q in enumerate(ids):
+        if not q:
+            raise ConfigError(f"{what}: prompt {i} tokenizes to nothing ({records[i]['prompt']!r})")
+        if max_positions is not None and len(q) + max_new_tokens > max_positions:
+            raise ConfigError(
+                f"{what}: prompt {i} has {len(q)} tokens; with generation.max_new_tokens={max_new_tokens} "
+                f"that exceeds the model's {max_positions} positions ({records[i]['prompt'][:60]!r}...)"
+            )
+    return ids
