@@ -41,14 +41,11 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from . import dist
+from .errors import CheckpointError
 from .seeding import get_rng_state, set_rng_state
 
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt, or does not fit this run."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,19 +170,20 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     shuffle_gen: torch.Generator,
     keep_last: int,
-) -> Path | None:
-    """Collective: every rank calls it. Returns the final folder on the main rank."""
+) -> Path:
+    """Collective: every rank calls it. Each I/O phase runs through ``dist.agree``, so a failure on any
+    rank (disk full, permissions) raises the same ``CheckpointError`` on every rank instead of leaving
+    the others in a barrier; nothing is renamed to ``step_<N>`` unless every file was written."""
     root = checkpoint_dir(run_dir)
     tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
-    if dist.is_main():
+
+    def start() -> None:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # left over from a crash during an earlier save
         tmp.mkdir()
-    dist.barrier()
-    _save_split(tmp / f"rng_rank{dist.rank()}", rank_rng_state(shuffle_gen))
-    dist.barrier()
-    if dist.is_main():
+
+    def finish() -> None:
         save_model(policy, str(tmp / "policy.safetensors"))
         _fsync_file(tmp / "policy.safetensors")
         _save_split(tmp / "optimizer", optimizer.state_dict())
@@ -201,8 +199,18 @@ def save_checkpoint(
         os.replace(tmp, final)
         _fsync_dir(root)
         _prune(root, keep_last)
-    dist.barrier()
-    return final if dist.is_main() else None
+
+    what = f"saving checkpoint {final}"
+    dist.agree(start, CheckpointError, main_only=True, what=what)
+    dist.agree(lambda: _save_split(tmp / f"rng_rank{dist.rank()}", rank_rng_state(shuffle_gen)), CheckpointError,
+               what=what)
+    dist.agree(finish, CheckpointError, main_only=True, what=what)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint folders under ``root`` (``step_<N>``), oldest first (not verified)."""
+    return [p for _, p in _steps(root)]
 
 
 def _steps(root: Path) -> list[tuple[int, Path]]:

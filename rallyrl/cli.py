@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         train(cfg)
+        from .dist import shutdown
+
+        shutdown()
     except _user_errors() as e:
         print(f"rallyrl: error: {e}", file=sys.stderr)
         return 2

@@ -132,6 +132,10 @@ class PPOConfig:
         "none", "Divide scores by the running std of scores (global over ranks)."
     )
     reward_clip: float | None = _f(None, "Clip scores to [-x, x] after scaling (null = off).")
+    max_nonfinite_skips: int = _f(
+        0, "Optimizer steps with a NaN/inf loss or gradient norm that may be skipped (not applied, counted in "
+        "`policy/nonfinite_skips`) before the run stops; 0 = stop at the first one."
+    )
 
 
 @dataclass
@@ -397,6 +401,7 @@ def validate(cfg: Config) -> None:
     positive("ppo.target_kl", cfg.ppo.target_kl)
     positive("ppo.kl_horizon", cfg.ppo.kl_horizon)
     positive("ppo.reward_clip", cfg.ppo.reward_clip)
+    positive("ppo.max_nonfinite_skips", cfg.ppo.max_nonfinite_skips, allow_zero=True)
     for key in ("gamma", "lam"):
         v = getattr(cfg.ppo, key)
         if not 0 <= v <= 1:

@@ -80,7 +80,9 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(self.n)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        from .seeding import stream_seed
+
+        return np.random.default_rng([stream_seed(self.seed, "prompt_order"), epoch]).permutation(self.n)
 
     def next(self, k: int) -> list[int]:
         out: list[int] = []

@@ -14,8 +14,12 @@ import datetime
 import importlib
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from .errors import Failure, StageError
+
+T = TypeVar("T")
 
 
 class _LazyModule:
@@ -106,9 +110,10 @@ def no_sync(model: torch.nn.Module) -> Any:
     return _accelerator.no_sync(model)
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the (already synchronised) gradients; returns the norm before clipping."""
-    return float(_accelerator.clip_grad_norm_(model.parameters(), max_norm))
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the (already synchronised) gradients; returns the norm before clipping (a 0-dim tensor:
+    reading it is left to the caller's one host sync per step)."""
+    return _accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def _device() -> torch.device:
@@ -174,17 +179,46 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def run_on_main(fn: Callable[[], Any], describe: Callable[[BaseException], str] = str) -> tuple[str, Any]:
-    """Run ``fn`` on the main rank only and give every rank its outcome: ``("ok", value)`` or
-    ``("error", describe(exception))``. Failure is shared, never left as a peer blocked in the
-    broadcast; the caller raises its own error type on every rank."""
-    outcome: tuple[str, Any] = ("ok", None)
-    if is_main():
+def agree(fn: Callable[[], T], error: type[StageError], *, main_only: bool = False, what: str | None = None) -> T:
+    """Run ``fn`` on every rank (or on the main rank only) and agree on its outcome: if it raised on
+    any rank, every rank raises ``error`` carrying the first failure (lowest rank), right here, instead
+    of leaving peers blocked in their next collective. The one failure mechanism of every stage that
+    can fail on some ranks only (reward, metric_fn, checkpoint I/O, resume choice).
+
+    ``main_only``: ``fn`` runs on rank 0 and its return value is broadcast to every rank (one
+    broadcast); otherwise each rank keeps its own value and the ranks exchange only their failures (one
+    all-gather). A ``StageError`` raised inside ``fn`` keeps its message (it is not wrapped twice).
+    """
+    value: Any = None
+    failure: Failure | None = None
+    if is_main() or not main_only:
         try:
-            outcome = ("ok", fn())
-        except Exception as e:  # reported to every rank by the broadcast below
-            outcome = ("error", describe(e))
-    return broadcast_object(outcome, src=0)
+            value = fn()
+        except Exception as e:  # reported to every rank below, then raised there
+            failure = Failure.of(e, rank())
+    if main_only:
+        outcome = broadcast_object((failure, value), src=0)
+        failures, value = [outcome[0]], outcome[1]
+    else:
+        failures = all_gather_objects(failure)
+    raise_failures(failures, error, what)
+    return value
+
+
+def raise_failures(failures: Sequence[Failure | None], error: type[StageError], what: str | None = None) -> None:
+    """Raise ``error`` (identically on every rank: all ranks pass the same list) if any rank failed."""
+    if any(failures):
+        raise error.from_failures(failures, what)
+
+
+def shutdown() -> None:
+    """End this process's part in the process group, after a last barrier: every rank leaves together
+    and the group is destroyed before the interpreter exits. Letting interpreter teardown destroy it
+    instead races with peers still closing their connections and occasionally aborts a rank
+    ("terminate called without an active exception") after a run that succeeded."""
+    if is_distributed():
+        tdist.barrier()
+        tdist.destroy_process_group()
 
 
 def barrier() -> None:

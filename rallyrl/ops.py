@@ -610,3 +610,24 @@ class RunningMoments:
         self.var = float(state["var"])
         self.std = float(state["std"])
         self.count = float(state["count"])
+
+
+# --------------------------------------------------------------------------- #
+# learning-rate schedule
+# --------------------------------------------------------------------------- #
+def lr_multiplier(step: int, total: int, warmup: int, kind: str) -> float:
+    """Factor on the base learning rate at optimizer step ``step`` (0-based) of ``total``.
+
+    Linear warm-up from ``1/warmup`` to 1 over ``warmup`` steps, then ``constant`` (1), ``linear``
+    (1 -> 0) or ``cosine`` (1 -> 0, half a cosine) over the remaining ``total - warmup`` steps.
+    """
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant" or total <= warmup:
+        return 1.0
+    p = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "linear":
+        return 1.0 - p
+    if kind == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * p))
+    raise ValueError(f"unknown lr schedule {kind!r} (constant, linear or cosine)")

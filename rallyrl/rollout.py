@@ -10,29 +10,46 @@ model saw a different ending than the tokens that were trained on).
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from . import ops
 from .config import GenerationConfig
-from .models import PolicyWithValueHead, reference_logits
+from .models import Policy, Reference
+from .reward.step import Reward
 
 
 @dataclass
 class Generated:
-    """Raw generation output of one chunk on one rank."""
+    """Generation output of one chunk on one rank: padded once, here, and used as is downstream."""
 
-    query_ids: list[list[int]]
-    response_ids: list[list[int]]  # after EOS / stop-sequence truncation; EOS kept (it is an action)
-    outputs: list[str]  # decode(response_ids) without special tokens
+    query_ids: torch.Tensor  # (B, Q) left-padded
+    query_mask: torch.Tensor  # (B, Q) bool
+    response_ids: torch.Tensor  # (B, T) right-padded; after EOS / stop truncation, EOS kept (an action)
+    response_mask: torch.Tensor  # (B, T) bool
+    response_lists: list[list[int]]  # the same response tokens, unpadded (what the reward function sees)
+    outputs: list[str]  # decode(response) without special tokens
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+
+@dataclass
+class Scored:
+    """The rollout-time forward passes over one chunk (response positions; 0 on padding)."""
+
+    logprobs: torch.Tensor  # (B, T) of the sampling policy (temperature applied)
+    ref_logprobs: torch.Tensor  # (B, T) of the frozen reference
+    values: torch.Tensor  # (B, T)
 
 
 @dataclass
 class Rollouts:
-    """One rank's training batch for an iteration (tensors on CPU or the training device)."""
+    """One rank's training batch for an iteration (tensors on CPU)."""
 
     query_ids: torch.Tensor  # (B, Q) left-padded with pad_id
     query_mask: torch.Tensor  # (B, Q) bool
@@ -57,8 +74,63 @@ class Rollouts:
         dense = self.dense_scores.sum(1).double() if self.dense_scores is not None else 0.0
         return self.scores.double() + dense  # float64: the logged value is the exact sum of the two parts
 
+    @staticmethod
+    def from_chunk(gen: Generated, scored: Scored, rewards: Sequence[Reward], prompts: list[str],
+                   metadata: list[dict[str, Any]], global_index: list[int]) -> "Rollouts":
+        T = gen.response_ids.shape[1]
+        dense = None
+        if any(rw.dense is not None for rw in rewards):
+            dense = torch.zeros(len(rewards), T)  # (B, T)
+            for i, rw in enumerate(rewards):
+                if rw.dense is not None:
+                    dense[i, : len(rw.dense)] = torch.tensor(rw.dense)
+        return Rollouts(
+            query_ids=gen.query_ids, query_mask=gen.query_mask, response_ids=gen.response_ids,
+            response_mask=gen.response_mask, logprobs=scored.logprobs, ref_logprobs=scored.ref_logprobs,
+            values=scored.values, scores=torch.tensor([rw.score for rw in rewards], dtype=torch.float32),
+            dense_scores=dense, prompts=list(prompts), outputs=list(gen.outputs), metadata=list(metadata),
+            global_index=list(global_index), reward_components=[rw.components for rw in rewards],
+        )
 
-def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def concat(parts: Sequence["Rollouts"], pad_id: int) -> "Rollouts":
+        """Merge chunks: queries re-aligned on the left, per-token tensors widened on the right."""
+        if not parts:
+            raise ValueError("Rollouts.concat needs at least one part")
+        Q = max(p.query_ids.shape[1] for p in parts)
+        T = max(p.response_ids.shape[1] for p in parts)
+
+        def left(x: torch.Tensor, value: Any) -> torch.Tensor:
+            return F.pad(x, (Q - x.shape[1], 0), value=value)
+
+        def right(x: torch.Tensor, value: Any = 0) -> torch.Tensor:
+            return F.pad(x, (0, T - x.shape[1]), value=value)
+
+        dense = None
+        if any(p.dense_scores is not None for p in parts):
+            dense = torch.cat([right(p.dense_scores) if p.dense_scores is not None else torch.zeros(len(p), T)
+                               for p in parts])
+        return Rollouts(
+            query_ids=torch.cat([left(p.query_ids, pad_id) for p in parts]),
+            query_mask=torch.cat([left(p.query_mask, False) for p in parts]),
+            response_ids=torch.cat([right(p.response_ids, pad_id) for p in parts]),
+            response_mask=torch.cat([right(p.response_mask, False) for p in parts]),
+            logprobs=torch.cat([right(p.logprobs) for p in parts]),
+            ref_logprobs=torch.cat([right(p.ref_logprobs) for p in parts]),
+            values=torch.cat([right(p.values) for p in parts]),
+            scores=torch.cat([p.scores for p in parts]),
+            dense_scores=dense,
+            prompts=[x for p in parts for x in p.prompts],
+            outputs=[x for p in parts for x in p.outputs],
+            metadata=[x for p in parts for x in p.metadata],
+            global_index=[x for p in parts for x in p.global_index],
+            reward_components=[x for p in parts for x in p.reward_components],
+        )
+
+
+def pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) ids and mask; ``left`` for prompts (every response then starts at the same column),
+    right for responses."""
     width = max((len(x) for x in seqs), default=0)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.bool)
@@ -67,16 +139,6 @@ def _pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, 
         ids[i, cols] = torch.tensor(x, dtype=torch.long)
         mask[i, cols] = True
     return ids, mask
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, Q) ids and mask, padded on the left (prompts: every response starts at the same column)."""
-    return _pad(seqs, pad_id, left=True)
-
-
-def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) ids and mask, padded on the right (responses)."""
-    return _pad(seqs, pad_id, left=False)
 
 
 def truncate_at_stop(ids: list[int], tokenizer: Any, stop_sequences: list[str]) -> list[int]:
@@ -106,39 +168,20 @@ def truncate_at_stop(ids: list[int], tokenizer: Any, stop_sequences: list[str]) 
 
 
 @torch.no_grad()
-def generate(
-    lm: torch.nn.Module,
-    tokenizer: Any,
-    query_ids: list[list[int]],
-    gen: GenerationConfig,
-    do_sample: bool,
-    device: torch.device,
-) -> Generated:
-    """Sample responses for one chunk of prompts with HF ``generate`` (KV cache on)."""
-    if not query_ids:
-        return Generated([], [], [])
-    ids, mask = left_pad(query_ids, tokenizer.pad_token_id)
-    kwargs: dict[str, Any] = dict(
-        max_new_tokens=gen.max_new_tokens,
-        do_sample=do_sample,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        use_cache=True,
-    )
+def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: GenerationConfig, do_sample: bool,
+             device: torch.device) -> Generated:
+    """Sample responses for one chunk of prompts through ``policy.generate`` (KV cache on)."""
+    if not query_ids:  # a rank with no sample in this chunk round still enters the reward step
+        empty = torch.zeros(0, 0, dtype=torch.long)
+        return Generated(empty, empty.bool(), empty, empty.bool(), [], [])
+    q, qm = pad(query_ids, tokenizer.pad_token_id, left=True)  # (B, Q)
+    sampling: dict[str, Any] = dict(max_new_tokens=gen.max_new_tokens, do_sample=do_sample,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     if do_sample:
-        kwargs.update(temperature=gen.temperature, top_k=gen.top_k or None, top_p=gen.top_p)
+        sampling.update(temperature=gen.temperature, top_k=gen.top_k or None, top_p=gen.top_p)
     else:
-        kwargs.update(temperature=None, top_k=None, top_p=None)
-    # We always pass the attention mask, but generate() drops an all-ones one, after which the pads of
-    # finished rows make transformers warn about a missing mask; that warning does not apply here.
-    hf_log = logging.getLogger("transformers.modeling_utils")
-    level = hf_log.level
-    hf_log.setLevel(logging.ERROR)
-    try:
-        out = lm.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-    finally:
-        hf_log.setLevel(level)
-    responses = out[:, ids.shape[1] :].tolist()  # (B, T') as lists
+        sampling.update(temperature=None, top_k=None, top_p=None)
+    responses = policy.generate(q.to(device), qm.to(device), **sampling).tolist()  # (B, T') as lists
     eos = tokenizer.eos_token_id
     kept: list[list[int]] = []
     for r in responses:
@@ -147,39 +190,21 @@ def generate(
             r = r[: r.index(eos) + 1]
         r = truncate_at_stop(r, tokenizer, gen.stop_sequences)
         kept.append(r or [eos if eos is not None else tokenizer.pad_token_id])
+    r_ids, rm = pad(kept, tokenizer.pad_token_id, left=False)  # (B, T)
     outputs = [tokenizer.decode(r, skip_special_tokens=True) for r in kept]
-    return Generated(query_ids=[list(q) for q in query_ids], response_ids=kept, outputs=outputs)
+    return Generated(q, qm, r_ids, rm, kept, outputs)
 
 
 @torch.no_grad()
-def score_tokens(
-    policy: PolicyWithValueHead,
-    ref: torch.nn.Module,
-    query_ids: list[list[int]],
-    response_ids: list[list[int]],
-    pad_id: int,
-    temperature: float,
-    device: torch.device,
-) -> dict[str, torch.Tensor]:
+def score_tokens(policy: Policy, reference: Reference, gen: Generated, temperature: float,
+                 device: torch.device) -> Scored:
     """One forward of the policy (log-probs + values) and one of the reference (log-probs)."""
-    q, qm = left_pad(query_ids, pad_id)
-    r, rm = right_pad(response_ids, pad_id)
-    ids = torch.cat([q, r], 1).to(device)  # (B, Q+T)
-    mask = torch.cat([qm, rm], 1).to(device)  # (B, Q+T)
-    T = r.shape[1]
-    logits, values = policy(ids, mask, T)  # (B, T, V), (B, T)
-    labels = r.to(device)
+    q, qm = gen.query_ids.to(device), gen.query_mask.to(device)
+    r, rm = gen.response_ids.to(device), gen.response_mask.to(device)
+    logits, values = policy(q, qm, r, rm)  # (B, T, V), (B, T)
     # Temperature is part of the sampling policy, so log-probs (and the KL) are of the scaled logits,
     # in the rollout pass and in training alike (as in TRL).
-    logprobs = ops.logprobs_from_logits(logits.float() / temperature, labels)  # (B, T)
-    ref_lp = ops.logprobs_from_logits(reference_logits(ref, ids, mask, T).float() / temperature, labels)
-    rm = rm.to(device)
-    return {
-        "query_ids": q,
-        "query_mask": qm,
-        "response_ids": r,
-        "response_mask": rm.cpu(),
-        "logprobs": (logprobs * rm).cpu(),
-        "ref_logprobs": (ref_lp * rm).cpu(),
-        "values": (values.float() * rm).cpu(),
-    }
+    logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
+    ref_lp = reference.logprobs(q, qm, r, rm, temperature)  # (B, T)
+    return Scored(logprobs=(logprobs * rm).cpu(), ref_logprobs=(ref_lp * rm).cpu(),
+                  values=(values.float() * rm).cpu())

@@ -1,12 +1,12 @@
 """Seeding and RNG isolation.
 
-Why two kinds of seed (style rule 7):
-- **Shared seed** (``seed``) for what must be identical on every rank: model and value-head
-  initialisation (DDP also broadcasts rank 0's weights, but identical init keeps single- and
-  multi-process runs comparable) and the global prompt order (every rank must agree which prompt is
-  sample ``i`` so each takes its own shard and nothing is drawn twice).
-- **Per-rank seed** for what must differ: sampling during generation and minibatch shuffling. If every
-  rank sampled with the same stream, ranks given the same prompt would produce the same response.
+Every random stream is derived from ``train.seed`` by one function, ``stream_seed(seed, name, rank)``,
+which lists the streams and says why each is shared or per-rank (style rule 7):
+- **shared** for what must be identical on every rank: model and value-head initialisation (DDP also
+  broadcasts rank 0's weights, but identical init keeps single- and multi-process runs comparable) and
+  the global prompt order;
+- **per-rank** for what must differ: sampling during generation and minibatch shuffling. If every rank
+  sampled with the same stream, ranks given the same prompt would produce the same response.
 
 ``isolated_rng()`` saves and restores every global RNG (python ``random``, numpy, torch CPU and all CUDA
 devices) around user code such as a reward function. This is the reproducibility guarantee from trlx
@@ -18,34 +18,46 @@ from __future__ import annotations
 
 import contextlib
 import random
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
-# Large odd multiplier so per-rank seeds of nearby base seeds do not collide (seed 1 rank 0 vs seed 0 rank 1).
-_RANK_STRIDE = 1_000_003
+def stream_seed(seed: int, stream: str, rank: int | None = None) -> int:
+    """The seed of one named random stream: the ONE derivation every stream uses.
+
+    ``rank=None`` gives a shared stream (identical on every rank); an int gives that rank's own stream.
+    Mixing through numpy's ``SeedSequence`` (not ``seed + k``) keeps streams of nearby seeds, ranks and
+    names statistically independent: seed 1 / rank 0 never equals seed 0 / rank 1.
+
+    The streams (and why each is shared or per-rank):
+    - ``model_init`` (shared): any random init inside ``from_pretrained`` (missing weights) matches on
+      every rank, so single- and multi-process runs start from the same model.
+    - ``value_head`` (shared): value-head initialisation, independent of the global RNG.
+    - ``prompt_order`` (shared): every rank must agree which prompt is global sample ``i``, so each
+      takes its own shard and nothing is drawn twice.
+    - ``sampling`` (per rank): generation; ranks given the same prompt must not sample the same response.
+    - ``minibatch`` (per rank): each rank's minibatch order over its own samples.
+    """
+    salt = zlib.crc32(stream.encode())
+    entropy = [seed % (2**63), salt] + ([] if rank is None else [rank + 1])
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    return (seed + _RANK_STRIDE * (rank + 1)) % (2**63 - 1)
+def stream_generator(seed: int, stream: str, rank: int | None = None) -> torch.Generator:
+    """A torch generator for one named stream (see ``stream_seed``)."""
+    return torch.Generator().manual_seed(stream_seed(seed, stream, rank))
 
 
 def seed_everything(seed: int, rank: int) -> None:
-    """Seed the global RNGs with the per-rank seed (sampling streams). Shared draws use explicit
-    generators created from ``seed`` (see ``shared_generator``)."""
-    s = rank_seed(seed, rank)
+    """Seed the global RNGs (python, numpy, torch CPU and every CUDA device) with this rank's
+    ``sampling`` stream. Every other stream uses an explicit generator from ``stream_generator``."""
+    s = stream_seed(seed, "sampling", rank)
     random.seed(s)
     np.random.seed(s % (2**32))
-    torch.manual_seed(s)  # also seeds every CUDA device
-
-
-def shared_generator(seed: int, *salt: int) -> torch.Generator:
-    """A torch generator that is identical on every rank (for initialisation)."""
-    g = torch.Generator()
-    g.manual_seed(int(np.random.SeedSequence([seed, *salt]).generate_state(1, dtype=np.uint64)[0] >> 1))
-    return g
+    torch.manual_seed(s)
 
 
 def get_rng_state() -> dict[str, Any]:

@@ -1,29 +1,223 @@
-"""Run-directory writers: metrics.jsonl, rollouts.jsonl, eval samples, optional TensorBoard.
+"""The run directory: its lifecycle (``RunDir``) and its writers (``RunWriter``).
+
+``RunDir`` owns every decision about the folder: may a run start here, is it a resume, which checkpoint,
+what may be removed, what the logs keep after a resume. rallyrl records every file and folder it
+creates in ``rallyrl-run.json`` (the manifest) and only ever removes or replaces what is listed there:
+``train.overwrite=true`` removes exactly rallyrl's own outputs, and a file of the user's under one of
+rallyrl's output names is never replaced (the run refuses, naming it).
 
 Only the main rank writes (one writer per file, so lines never interleave). Files are opened in append
-mode and flushed per line, so a killed run keeps every completed iteration.
+mode and flushed per line, so a killed run keeps every completed iteration. ``metrics.jsonl`` is strict
+JSON: a non-finite value is written as ``null``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
 from typing import Any
+
+from . import dist
+from .config import Config, ConfigError, TrainConfig
+from .errors import CheckpointError
+
+MANIFEST = "rallyrl-run.json"
+# Everything rallyrl may write at the top of a run directory; folders marked True hold only rallyrl's files.
+OUTPUTS = {"config.yaml": False, "config_history.jsonl": False, "metrics.jsonl": False, "rollouts.jsonl": False,
+           "eval": False, "checkpoints": True, "final": True, "tensorboard": True}
+
+
+class RunDirError(ConfigError):
+    """The run directory cannot be used as asked (a user error: reported like a config error)."""
 
 
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/inf; keep the information as text
+        return None  # strict JSON has no NaN/inf: a non-finite value is written as null
     return v
 
 
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.resuming = False  # decided by check_start
+
+    # --- what is there ---------------------------------------------------------------------------
+    def _manifest(self) -> dict[str, list[str]]:
+        f = self.path / MANIFEST
+        if not f.is_file():
+            return {"files": [], "dirs": []}
+        try:
+            m = json.loads(f.read_text(encoding="utf-8"))
+            return {"files": list(m.get("files", [])), "dirs": list(m.get("dirs", []))}
+        except (json.JSONDecodeError, AttributeError, TypeError):
+            raise RunDirError(f"{f} is corrupt; delete it only if nothing else in {self.path} is rallyrl's") from None
+
+    def _owned(self, rel: str) -> bool:
+        m = self._manifest()
+        parts = Path(rel).parts
+        return rel in m["files"] or any(parts[: len(Path(d).parts)] == Path(d).parts for d in m["dirs"])
+
+    def holds_run(self) -> bool:
+        """True if a run completed an iteration here or left a checkpoint (else the folder counts as empty)."""
+        from .checkpoint import checkpoint_dir, list_checkpoints
+
+        if list_checkpoints(checkpoint_dir(self.path)):
+            return True
+        metrics = self.path / "metrics.jsonl"
+        if metrics.is_file():
+            for line in metrics.read_text(encoding="utf-8").splitlines():
+                try:
+                    if line.strip() and json.loads(line).get("step", 0) >= 1:
+                        return True
+                except json.JSONDecodeError:
+                    return True  # not ours to judge: treat as a run
+        return False
+
+    def newest_checkpoint(self) -> Path | None:
+        from .checkpoint import checkpoint_dir, list_checkpoints
+
+        steps = list_checkpoints(checkpoint_dir(self.path))
+        return steps[-1] if steps else None
+
+    # --- may a run start here? (every rank, before anything heavy) -------------------------------
+    def check_start(self, train: TrainConfig, eval_steps: list[int]) -> None:
+        """Decide fresh start or resume and refuse, with the fix, what would mix runs or lose a file."""
+        self.resuming = train.resume not in (None, "auto") or (train.resume == "auto" and self.newest_checkpoint() is not None)
+        if self.resuming:
+            return
+        if self.holds_run() and not train.overwrite:
+            raise RunDirError(
+                f"train.run_dir {self.path} already holds a run; resume it with train.resume=latest, start over "
+                f"with train.overwrite=true (removes only rallyrl's own files), or choose another train.run_dir")
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"train.run_dir {self.path} is a file, not a folder")
+        for rel in self._planned(eval_steps):
+            p = self.path / rel
+            if not p.exists() or self._owned(rel):
+                continue
+            if p.is_dir() and not any(p.iterdir()):
+                continue  # an empty folder loses nothing
+            raise RunDirError(
+                f"train.run_dir {self.path} holds {p}, which rallyrl did not write and would replace; move it "
+                f"or choose another train.run_dir")
+
+    def _planned(self, eval_steps: list[int]) -> list[str]:
+        return [n for n in OUTPUTS if n != "eval"] + [f"eval/step_{s}.jsonl" for s in eval_steps]
+
+    # --- start writing (collective) --------------------------------------------------------------
+    def open(self, cfg: Config, resumed_from: Path | None) -> "RunWriter | None":
+        """Main rank: a fresh start removes rallyrl's own earlier outputs and writes ``config.yaml``;
+        returns the writer there (None elsewhere). Every rank waits here for the folder to be ready."""
+        writer = None
+        if dist.is_main():
+            self.path.mkdir(parents=True, exist_ok=True)
+            if resumed_from is None:
+                self.clear_own()
+                self.write_file("config.yaml", cfg.to_yaml())
+            else:
+                # Resuming says this folder holds the run: its outputs are rallyrl's (a run written before
+                # the manifest existed, or a checkpoint copied elsewhere, is adopted here).
+                for name, is_dir in OUTPUTS.items():
+                    if (self.path / name).exists():
+                        self.record(name, is_dir or (self.path / name).is_dir())
+            writer = RunWriter(self, cfg.train.tensorboard)
+        dist.barrier()
+        return writer
+
+    def clear_own(self) -> None:
+        """Remove exactly what the manifest lists (rallyrl's outputs), nothing else."""
+        m = self._manifest()
+        for rel in m["files"]:
+            (self.path / rel).unlink(missing_ok=True)
+        for rel in m["dirs"]:
+            shutil.rmtree(self.path / rel, ignore_errors=True)
+        eval_dir = self.path / "eval"
+        if eval_dir.is_dir() and not any(eval_dir.iterdir()):
+            eval_dir.rmdir()
+        (self.path / MANIFEST).unlink(missing_ok=True)
+
+    # --- recording what rallyrl writes (main rank) -----------------------------------------------
+    def record(self, rel: str, is_dir: bool = False) -> None:
+        m = self._manifest()
+        key = "dirs" if is_dir else "files"
+        if rel not in m[key]:
+            m[key].append(rel)
+            tmp = self.path / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(m, indent=1), encoding="utf-8")
+            os.replace(tmp, self.path / MANIFEST)
+
+    def claim(self, rel: str, is_dir: bool = False) -> Path:
+        """The path of an output about to be written; refuses a file or folder rallyrl did not write."""
+        p = self.path / rel
+        if p.exists() and not self._owned(rel) and not (p.is_dir() and not any(p.iterdir())):
+            raise RunDirError(f"{p} exists and was not written by rallyrl; refusing to replace it")
+        if is_dir and not p.exists():
+            p.mkdir(parents=True)
+        self.record(rel, is_dir)
+        return p
+
+    def write_file(self, rel: str, text: str) -> None:
+        self.claim(rel).write_text(text, encoding="utf-8")
+
+    # --- resume ----------------------------------------------------------------------------------
+    def resume_point(self, train: TrainConfig) -> Path | None:
+        """The checkpoint to resume from (chosen on the main rank, so every rank loads the same one), or
+        None for a fresh start."""
+        if not self.resuming:
+            return None
+        from .checkpoint import resolve_resume
+
+        spec = "latest" if train.resume == "auto" else train.resume
+        return Path(dist.agree(lambda: str(resolve_resume(self.path, spec)), CheckpointError, main_only=True))
+
+    def truncate_logs(self, last_step: int) -> None:
+        """A killed run may have logged iterations after its last checkpoint: drop them, so the logs
+        continue without duplicate or missing steps."""
+        if dist.is_main():
+            for name in ("metrics.jsonl", "rollouts.jsonl"):
+                path = self.path / name
+                if not path.is_file():
+                    continue
+                keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                        if line.strip() and json.loads(line)["step"] <= last_step]
+                tmp = path.with_suffix(path.suffix + ".tmp")
+                tmp.write_text("".join(keep), encoding="utf-8")
+                os.replace(tmp, path)
+        dist.barrier()
+
+    # --- checkpoints and final/ (collective) -----------------------------------------------------
+    def save_checkpoint(self, step: int, policy: Any, learner: Any, state: Any, keep_last: int) -> Path:
+        from .checkpoint import save_checkpoint
+
+        if dist.is_main() and not (self.path / "checkpoints").exists():
+            self.claim("checkpoints", is_dir=True)
+        return save_checkpoint(self.path, step, policy, learner.optimizer,
+                               {**state.state_dict(), "scheduler": learner.scheduler_state()},
+                               state.shuffle_gen, keep_last)
+
+    def save_final(self, policy: Any, tokenizer: Any) -> None:
+        """``final/``: the policy via ``save_pretrained`` plus the tokenizer, loadable with plain
+        transformers. Written by the main rank; a failure there stops every rank with the cause."""
+        def save() -> None:
+            out = self.claim("final", is_dir=True)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            policy.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+
+        dist.agree(save, CheckpointError, main_only=True, what=f"saving {self.path / 'final'}")
+
+
 class RunWriter:
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+    def __init__(self, run_dir: RunDir, tensorboard: bool) -> None:
         self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self._rollouts = open(run_dir / "rollouts.jsonl", "a", encoding="utf-8")
+        self._metrics = open(run_dir.claim("metrics.jsonl"), "a", encoding="utf-8")
+        self._rollouts = open(run_dir.claim("rollouts.jsonl"), "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
             try:
@@ -32,11 +226,11 @@ class RunWriter:
                 raise RuntimeError(
                     "train.tensorboard=true needs the tensorboard package: pip install 'rallyrl[tensorboard]'"
                 ) from e
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(run_dir.claim("tensorboard", is_dir=True)))
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
-        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
         self._metrics.flush()
         if self._tb is not None:
             for k, v in metrics.items():
@@ -46,13 +240,14 @@ class RunWriter:
 
     def log_rollouts(self, records: list[dict[str, Any]]) -> None:
         for r in records:
-            self._rollouts.write(json.dumps(r, ensure_ascii=False) + "\n")
+            self._rollouts.write(json.dumps({k: _clean(v) for k, v in r.items()}, ensure_ascii=False,
+                                            allow_nan=False) + "\n")
         self._rollouts.flush()
 
     def log_eval_samples(self, step: int, records: list[dict[str, Any]]) -> None:
-        d = self.run_dir / "eval"
-        d.mkdir(exist_ok=True)
-        with open(d / f"step_{step}.jsonl", "w", encoding="utf-8") as f:
+        if not (self.run_dir.path / "eval").exists():
+            self.run_dir.claim("eval", is_dir=True)
+        with open(self.run_dir.claim(f"eval/step_{step}.jsonl"), "w", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
 

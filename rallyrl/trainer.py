@@ -3,16 +3,19 @@
     collect rollouts -> central reward step -> shape rewards (KL penalty) -> GAE -> PPO epochs
     -> log / eval / checkpoint
 
-``train()`` reads top to bottom like a recipe; each stage is a function with typed inputs and outputs.
-Single- and multi-process runs execute the same code (every collective in ``dist`` is a no-op at world
-size 1). Statistics that define the update (advantage whitening, reward scaling, the loss normaliser)
-are global over all ranks, so N processes compute what one process would on the same samples.
+``train()`` reads top to bottom like a recipe; each stage is a function that takes what it uses (a
+``GenerationConfig``, a ``PPOConfig``, a ``Shard`` of the batch plan), not the whole config. Single- and
+multi-process runs execute the same code (every collective in ``dist`` is a no-op at world size 1).
+Statistics that define the update (advantage whitening, reward scaling, the loss normaliser) are global
+over all ranks, so N processes compute what one process would on the same samples.
+
+The models are reached only through the ``Policy`` / ``Reference`` protocols (``rallyrl.models``):
+nothing here knows whether the policy is a causal LM or a seq2seq model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -26,30 +29,16 @@ import torch
 
 from . import checkpoint as ckpt
 from . import dist, ops
-from .config import BatchPlan, Config, ConfigError, load_config, make_batch_plan, reward_fn_name, split_evenly
-from .data import PromptSampler, load_prompts
-from .inputs import prepare_inputs
+from .config import BatchPlan, Config, GenerationConfig, PPOConfig, load_config, split_evenly
+from .data import PromptSampler
+from .errors import MetricError, NonFiniteError
+from .inputs import Inputs, MetricFn, prepare_inputs
 from .models import LoadedModels, load_models
-from .reward.step import NamedRewardFn, Reward, RewardError, RewardStep, Samples, StepStats, _failure, call_kwargs
-from .rollout import Rollouts, generate, left_pad, right_pad, score_tokens
-from .seeding import isolated_rng, rank_seed, seed_everything
-from .tracking import RunWriter
-
-MetricFn = Callable[..., dict[str, Sequence[float]]]
-
-
-# ------------------------------------------------------------------------------------------------
-# State that a checkpoint must hold to resume the same run (see checkpoint.py)
-
-
-@dataclass
-class TrainState:
-    iteration: int  # iterations completed
-    kl_ctl: ops.FixedKLController | ops.AdaptiveKLController
-    reward_moments: ops.RunningMoments
-    sampler: PromptSampler
-    shuffle_gen: torch.Generator  # per-rank minibatch order
-    optimizer_steps: int = 0
+from .reward.step import RewardStep, Samples, StepStats, call_kwargs
+from .rollout import Rollouts, generate, score_tokens
+from .seeding import isolated_rng, seed_everything, stream_seed
+from .state import Learner, TrainState
+from .tracking import RunDir, RunWriter
 
 
 @dataclass
@@ -60,113 +49,82 @@ class TrainResult:
     eval_after: dict[str, float] = field(default_factory=dict)  # eval/* of the latest evaluation
 
 
-# ------------------------------------------------------------------------------------------------
-# Inputs: resolved and checked before any model is loaded
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of a batch: its global sample indices (rank-major order), the global index of
+    its first sample, and the chunk rounds EVERY rank runs (so each enters the reward step as often)."""
+
+    indices: list[int]
+    first_index: int
+    rounds: int
+    chunk_size: int
+
+    @staticmethod
+    def of_plan(plan: BatchPlan, rank: int, global_indices: list[int]) -> "Shard":
+        off = plan.offset(rank)
+        return Shard(global_indices[off : off + plan.local_count(rank)], off, plan.rounds, plan.chunk_size)
+
+    @staticmethod
+    def even(n: int, world_size: int, rank: int, chunk_size: int) -> "Shard":
+        """``n`` samples (e.g. the eval set) split as evenly as possible."""
+        counts = split_evenly(n, world_size)
+        off = sum(counts[:rank])
+        return Shard(list(range(off, off + counts[rank])), off, -(-max(counts) // chunk_size), chunk_size)
 
 
 # ------------------------------------------------------------------------------------------------
 # Stage 1+2: collect rollouts, with the central reward step once per chunk round
 
 
-def collect_rollouts(
-    models: LoadedModels,
-    reward_step: RewardStep,
-    records: list[dict[str, Any]],
-    query_ids: list[list[int]],
-    indices: list[int],  # this rank's prompt indices, in global order
-    global_offset: int,
-    plan_rounds: int,
-    chunk_size: int,
-    cfg: Config,
-    device: torch.device,
-    do_sample: bool,
-) -> tuple[Rollouts, StepStats, dict[str, float]]:
-    pieces: list[dict[str, Any]] = []
+def collect_rollouts(models: LoadedModels, reward_step: RewardStep, records: list[dict[str, Any]],
+                     query_ids: list[list[int]], shard: Shard, gen: GenerationConfig, do_sample: bool,
+                     device: torch.device) -> tuple[Rollouts, StepStats, dict[str, float]]:
+    chunks: list[Rollouts] = []
     total = StepStats()
     t_gen = t_fwd = 0.0
-    tok = models.tokenizer
-    for r in range(plan_rounds):
-        mine = indices[r * chunk_size : (r + 1) * chunk_size]  # may be empty on some ranks
+    for r in range(shard.rounds):
+        mine = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]  # may be empty on some ranks
+        prompts = [records[i]["prompt"] for i in mine]
+        metadata = [{k: v for k, v in records[i].items() if k != "prompt"} for i in mine]
         t0 = time.perf_counter()
-        g = generate(models.policy.lm, tok, [query_ids[i] for i in mine], cfg.generation, do_sample, device)
+        g = generate(models.policy, models.tokenizer, [query_ids[i] for i in mine], gen, do_sample, device)
         t_gen += time.perf_counter() - t0
-        samples = Samples(
-            prompts=[records[i]["prompt"] for i in mine],
-            outputs=g.outputs,
-            output_token_ids=g.response_ids,
-            metadata=[{k: v for k, v in records[i].items() if k != "prompt"} for i in mine],
-        )
-        rewards, st = reward_step(samples)  # a collective: every rank enters it every round
-        total.calls += st.calls
-        total.samples += st.samples
-        total.time_reward += st.time_reward
-        total.time_gather += st.time_gather
+        rewards, st = reward_step(Samples(prompts, g.outputs, g.response_lists, metadata))  # a collective
+        total.add(st)
         if mine:
             t0 = time.perf_counter()
-            scored = score_tokens(models.policy, models.ref, g.query_ids, g.response_ids, tok.pad_token_id,
-                                  cfg.generation.temperature, device)
+            scored = score_tokens(models.policy, models.reference, g, gen.temperature, device)
             t_fwd += time.perf_counter() - t0
-            pieces.append({"gen": g, "samples": samples, "rewards": rewards, "scored": scored,
-                           "index": list(range(global_offset + r * chunk_size,
-                                               global_offset + r * chunk_size + len(mine)))})
-    return _merge(pieces, tok.pad_token_id), total, {"time/generate": t_gen, "time/forward": t_fwd}
-
-
-def _merge(pieces: list[dict[str, Any]], pad_id: int) -> Rollouts:
-    """Concatenate per-chunk results (re-padding queries on the left, responses on the right)."""
-    q_ids = [q for p in pieces for q in p["gen"].query_ids]
-    r_ids = [r for p in pieces for r in p["gen"].response_ids]
-    q, qm = left_pad(q_ids, pad_id)
-    r, rm = right_pad(r_ids, pad_id)
-    T = r.shape[1]
-
-    def cat_right(key: str) -> torch.Tensor:
-        rows = [torch.nn.functional.pad(p["scored"][key], (0, T - p["scored"][key].shape[1])) for p in pieces]
-        return torch.cat(rows) if rows else torch.zeros(0, T)
-
-    rewards: list[Reward] = [rw for p in pieces for rw in p["rewards"]]
-    scores = torch.tensor([rw.score for rw in rewards], dtype=torch.float32)
-    dense = None
-    if any(rw.dense is not None for rw in rewards):
-        dense = torch.zeros(len(rewards), T)
-        for i, rw in enumerate(rewards):
-            if rw.dense is not None:
-                dense[i, : len(rw.dense)] = torch.tensor(rw.dense)
-    return Rollouts(
-        query_ids=q, query_mask=qm, response_ids=r, response_mask=rm,
-        logprobs=cat_right("logprobs"), ref_logprobs=cat_right("ref_logprobs"), values=cat_right("values"),
-        scores=scores, dense_scores=dense,
-        prompts=[s for p in pieces for s in p["samples"].prompts],
-        outputs=[s for p in pieces for s in p["samples"].outputs],
-        metadata=[m for p in pieces for m in p["samples"].metadata],
-        global_index=[i for p in pieces for i in p["index"]],
-        reward_components=[rw.components for rw in rewards],
-    )
+            first = shard.first_index + r * shard.chunk_size
+            chunks.append(Rollouts.from_chunk(g, scored, rewards, prompts, metadata,
+                                              list(range(first, first + len(mine)))))
+    ro = Rollouts.concat(chunks, models.tokenizer.pad_token_id)
+    return ro, total, {"time/generate": t_gen, "time/forward": t_fwd}
 
 
 # ------------------------------------------------------------------------------------------------
 # Stage 3+4: reward shaping and advantages
 
 
-def shape_rewards(ro: Rollouts, state: TrainState, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+def shape_rewards(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards (B, T) = score on the last token + dense scores - beta * KL; and per-sample KL."""
     scores, dense = ro.scores.clone(), ro.dense_scores
-    if cfg.ppo.reward_scaling == "running":
+    if ppo.reward_scaling == "running":
         # Running std over all ranks (trlx "running" scaling): scale without shifting the mean.
         state.reward_moments.update(ro.scores, reduce=dist.all_reduce_sum)
         scores = scores / max(state.reward_moments.std, 1e-8)
         dense = dense / max(state.reward_moments.std, 1e-8) if dense is not None else None
-    if cfg.ppo.reward_clip is not None:
-        scores = scores.clamp(-cfg.ppo.reward_clip, cfg.ppo.reward_clip)
-    kl_tok = ops.kl_estimate(ro.logprobs, ro.ref_logprobs, cfg.ppo.kl_estimator) * ro.response_mask  # (B, T)
+    if ppo.reward_clip is not None:
+        scores = scores.clamp(-ppo.reward_clip, ppo.reward_clip)
+    kl_tok = ops.kl_estimate(ro.logprobs, ro.ref_logprobs, ppo.kl_estimator) * ro.response_mask  # (B, T)
     rewards = ops.penalized_rewards(kl_tok, ro.response_mask, state.kl_ctl.value, scores, dense)  # (B, T)
     seq_kl = (ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1)  # (B,) k1 per sequence
     return rewards, seq_kl
 
 
-def compute_advantages(ro: Rollouts, rewards: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
-    adv, returns = ops.gae(rewards, ro.values, ro.response_mask, cfg.ppo.gamma, cfg.ppo.lam)  # (B, T)
-    if cfg.ppo.whiten_advantages:
+def compute_advantages(ro: Rollouts, rewards: torch.Tensor, ppo: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    adv, returns = ops.gae(rewards, ro.values, ro.response_mask, ppo.gamma, ppo.lam)  # (B, T)
+    if ppo.whiten_advantages:
         # Global statistics: whitening per rank would give each rank a different advantage scale.
         adv = ops.masked_whiten(adv, ro.response_mask, reduce=dist.all_reduce_sum)
     return adv, returns
@@ -175,116 +133,101 @@ def compute_advantages(ro: Rollouts, rewards: torch.Tensor, cfg: Config) -> tupl
 # ------------------------------------------------------------------------------------------------
 # Stage 5: PPO epochs
 
+# Per-micro-batch statistics, summed in one device tensor (no host sync per micro-batch).
+UPDATE_STATS = ("pg_loss", "vf_loss", "loss", "clipfrac_tok", "vf_clipfrac_tok", "approx_kl_tok", "entropy_tok",
+                "tokens")
 
-def ppo_update(
-    model: torch.nn.Module,  # the (possibly DDP-wrapped) PolicyWithValueHead
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    ro: Rollouts,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    state: TrainState,
-    cfg: Config,
-    device: torch.device,
-) -> dict[str, float]:
-    B, M, W = len(ro), cfg.ppo.num_minibatches, dist.world_size()
-    sums: dict[str, float] = {"pg_loss": 0.0, "vf_loss": 0.0, "loss": 0.0, "grad_norm": 0.0,
-                              "clipfrac_tok": 0.0, "vf_clipfrac_tok": 0.0, "approx_kl_tok": 0.0,
-                              "entropy_tok": 0.0, "tokens": 0.0, "steps": 0.0}
-    # With clipping off, an infinite max norm still returns the (pre-clip) norm for the logs.
-    max_norm = cfg.ppo.max_grad_norm if cfg.ppo.max_grad_norm is not None else float("inf")
-    for _ in range(cfg.ppo.epochs):
+
+def ppo_update(learner: Learner, ro: Rollouts, advantages: torch.Tensor, returns: torch.Tensor,
+               state: TrainState, ppo: PPOConfig, temperature: float, device: torch.device) -> dict[str, float]:
+    """``ppo.epochs`` passes over the batch in ``ppo.num_minibatches`` optimizer steps. Returns the sums
+    of ``UPDATE_STATS`` plus ``grad_norm`` (summed over applied steps), ``steps`` and ``skipped``."""
+    B, M, W = len(ro), ppo.num_minibatches, dist.world_size()
+    # Lengths on the host once per update: micro-batches trim all-padding columns with plain ints.
+    resp_len, query_len = ro.response_mask.sum(1).tolist(), ro.query_mask.sum(1).tolist()
+    sums = torch.zeros(len(UPDATE_STATS), dtype=torch.float64, device=device)
+    norm_sum, steps, skipped = 0.0, 0, 0
+    for _ in range(ppo.epochs):
         perm = torch.randperm(B, generator=state.shuffle_gen)
-        minibatches = torch.tensor_split(perm, M)
+        minibatches = [mb.tolist() for mb in torch.tensor_split(perm, M)]
         # The loss is a token mean over the GLOBAL minibatch: one all-reduce of all M token counts per
         # epoch. DDP averages gradients over W ranks, so each rank divides its token sum by N/W.
-        local_counts = torch.stack([ro.response_mask[mb].sum() for mb in minibatches]).double()
+        local_counts = torch.tensor([float(sum(resp_len[i] for i in mb)) for mb in minibatches], dtype=torch.float64)
         global_counts = dist.all_reduce_sum(local_counts)
         for j, mb in enumerate(minibatches):
-            optimizer.zero_grad(set_to_none=True)
+            learner.optimizer.zero_grad(set_to_none=True)
             # Gradient accumulation over micro-batches: every piece is normalised by the same global
             # token count, so the summed gradient equals the whole minibatch's. Only the last backward
             # synchronises (ranks may take different numbers of micro-batches).
-            micro = torch.split(mb, cfg.ppo.micro_batch_size or len(mb))
-            for k, part in enumerate(micro):
-                sync = contextlib.nullcontext() if k == len(micro) - 1 else dist.no_sync(model)
+            micro = [mb[a : a + (ppo.micro_batch_size or len(mb))] for a in range(0, len(mb), ppo.micro_batch_size or len(mb))]
+            step_loss = torch.zeros((), dtype=torch.float64, device=device)
+            for k, rows in enumerate(micro):
+                sync = contextlib.nullcontext() if k == len(micro) - 1 else dist.no_sync(learner.model)
                 with sync:
-                    _micro_step(model, ro, part, advantages, returns, global_counts[j] / W, cfg, device, sums)
-            sums["grad_norm"] += dist.clip_grad_norm(model, max_norm)
-            optimizer.step()
-            scheduler.step()
-            state.optimizer_steps += 1
-            sums["steps"] += 1
-    return sums
+                    part = _micro_step(learner.model, ro, rows, resp_len, query_len, advantages, returns,
+                                       global_counts[j] / W, ppo, temperature, device)
+                sums += part
+                step_loss += part[UPDATE_STATS.index("loss")]
+            norm = learner.step(step_loss)  # one reduction + one host sync; None if not applied
+            if norm is None:
+                skipped += 1
+                state.nonfinite_skips += 1
+            else:
+                norm_sum += norm
+                steps += 1
+                state.optimizer_steps += 1
+    out = dict(zip(UPDATE_STATS, sums.tolist()))
+    out.update(grad_norm=norm_sum, steps=float(steps), skipped=float(skipped))
+    return out
 
 
-def _micro_step(model: torch.nn.Module, ro: Rollouts, rows: torch.Tensor,
-                advantages: torch.Tensor, returns: torch.Tensor, n_norm: torch.Tensor, cfg: Config,
-                device: torch.device, sums: dict[str, float]) -> None:
-    """Forward + backward of the PPO loss on ``rows`` of the batch; adds its statistics to ``sums``."""
-    Q = ro.query_ids.shape[1]
-    rmask = ro.response_mask[rows]
+def _micro_step(model: torch.nn.Module, ro: Rollouts, rows: list[int], resp_len: list[int], query_len: list[int],
+                advantages: torch.Tensor, returns: torch.Tensor, n_norm: torch.Tensor, ppo: PPOConfig,
+                temperature: float, device: torch.device) -> torch.Tensor:
+    """Forward + backward of the PPO loss on ``rows``; returns its ``UPDATE_STATS`` as a device tensor."""
     # Trim columns that are padding for every row of this micro-batch (pure speed; same math).
-    T_mb = int(rmask.sum(1).max())
-    q_start = int((~ro.query_mask[rows]).all(0).long().cumprod(0).sum())
-    ids = torch.cat([ro.query_ids[rows], ro.response_ids[rows]], 1)[:, q_start : Q + T_mb].to(device)
-    mask = torch.cat([ro.query_mask[rows], rmask], 1)[:, q_start : Q + T_mb].to(device)
-    m = rmask[:, :T_mb].to(device)
-    logits, values = model(ids, mask, T_mb)  # (b, T_mb, V), (b, T_mb)
-    logits = logits.float() / cfg.generation.temperature
-    lp = ops.logprobs_from_logits(logits, ro.response_ids[rows][:, :T_mb].to(device))  # (b, T_mb)
-    pg, pg_stats = ops.policy_loss(lp, ro.logprobs[rows][:, :T_mb].to(device),
-                                   advantages[rows][:, :T_mb].to(device), m, cfg.ppo.clip_range, n_norm)
-    vf, vf_stats = ops.value_loss(values.float(), ro.values[rows][:, :T_mb].to(device),
-                                  returns[rows][:, :T_mb].to(device), m, cfg.ppo.clip_range_value, n_norm)
-    loss = pg + cfg.ppo.vf_coef * vf
-    if cfg.ppo.entropy_coef > 0:
+    T, Q = max(resp_len[i] for i in rows), ro.query_ids.shape[1]
+    q0 = Q - max(query_len[i] for i in rows)
+    idx = torch.tensor(rows)
+
+    def take(x: torch.Tensor, cols: slice) -> torch.Tensor:
+        return x[idx, cols].to(device)
+
+    resp, m = take(ro.response_ids, slice(0, T)), take(ro.response_mask, slice(0, T))  # (b, T)
+    logits, values = model(take(ro.query_ids, slice(q0, Q)), take(ro.query_mask, slice(q0, Q)), resp, m)
+    logits = logits.float() / temperature  # (b, T, V)
+    lp = ops.logprobs_from_logits(logits, resp)  # (b, T)
+    pg, pg_stats = ops.policy_loss(lp, take(ro.logprobs, slice(0, T)), take(advantages, slice(0, T)), m,
+                                   ppo.clip_range, n_norm)
+    vf, vf_stats = ops.value_loss(values.float(), take(ro.values, slice(0, T)), take(returns, slice(0, T)), m,
+                                  ppo.clip_range_value, n_norm)
+    loss = pg + ppo.vf_coef * vf
+    if ppo.entropy_coef > 0:
         ent = ops.entropy_from_logits(logits)
-        loss = loss - cfg.ppo.entropy_coef * ops.masked_sum(ent, m) / n_norm
+        loss = loss - ppo.entropy_coef * ops.masked_sum(ent, m) / n_norm
     else:
         with torch.no_grad():
             ent = ops.entropy_from_logits(logits)
     dist.backward(loss)
-    n_local = float(m.sum())
-    sums["pg_loss"] += pg.item()
-    sums["vf_loss"] += vf.item()
-    sums["loss"] += loss.item()
-    sums["clipfrac_tok"] += float(pg_stats["clipfrac"]) * n_local
-    sums["approx_kl_tok"] += float(pg_stats["approx_kl"]) * n_local
-    sums["vf_clipfrac_tok"] += float(vf_stats["clipfrac"]) * n_local
-    sums["entropy_tok"] += float(ops.masked_sum(ent.detach(), m))
-    sums["tokens"] += n_local
+    n = m.sum().double()
+    return torch.stack([pg.detach().double(), vf.detach().double(), loss.detach().double(),
+                        pg_stats["clipfrac"].double() * n, vf_stats["clipfrac"].double() * n,
+                        pg_stats["approx_kl"].double() * n, ops.masked_sum(ent.detach(), m).double(), n])
 
 
 # ------------------------------------------------------------------------------------------------
 # Evaluation: same generation and reward step, plus metric_fn on the main rank
 
 
-def evaluate(
-    models: LoadedModels,
-    reward_step: RewardStep,
-    records: list[dict[str, Any]],
-    query_ids: list[list[int]],
-    metric_fn: MetricFn | None,
-    cfg: Config,
-    device: torch.device,
-) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    W, R = dist.world_size(), dist.rank()
-    counts = split_evenly(len(records), W)
-    offset = sum(counts[:R])
-    mine = list(range(offset, offset + counts[R]))
-    rounds = -(-max(counts) // cfg.rollout.chunk_size)
+def evaluate(models: LoadedModels, reward_step: RewardStep, records: list[dict[str, Any]],
+             query_ids: list[list[int]], metric_fn: MetricFn | None, gen: GenerationConfig, do_sample: bool,
+             chunk_size: int, device: torch.device) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    shard = Shard.even(len(records), dist.world_size(), dist.rank(), chunk_size)
     t0 = time.perf_counter()
-    # Evaluation must not move the training sampling stream (same guarantee as the reward step).
+    # Evaluation must not move the training sampling stream (same guarantee as the reward step). It
+    # needs only samples and rewards: no policy/reference scoring pass.
     with isolated_rng():
-        ro, _, _ = collect_rollouts(models, reward_step, records, query_ids, mine, offset, rounds,
-                                    cfg.rollout.chunk_size, cfg, device, cfg.eval.do_sample)
-    totals = ro.total_rewards().tolist()
-    local = [{"index": i, "prompt": p, "output": o, "reward": totals[k],
-              "output_token_ids": ro.response_ids[k][ro.response_mask[k]].tolist(), "metadata": md}
-             for k, (i, p, o, md) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs, ro.metadata))]
-    gathered = dist.gather_objects(local, dst=0)
-    samples = [s for part in gathered or [] for s in part]  # every eval sample, on the main rank only
+        samples = _eval_samples(models, reward_step, records, query_ids, shard, gen, do_sample, device)
 
     def score() -> dict[str, float]:
         metrics = {"eval/reward_mean": sum(s["reward"] for s in samples) / max(1, len(samples))}
@@ -304,11 +247,26 @@ def evaluate(
                 s[name] = float(v)
         return metrics
 
-    status, payload = dist.run_on_main(score, describe=lambda e: _failure(e, 0))
-    if status == "error":
-        raise RewardError("metric_fn failed " + payload)
-    payload["time/eval"] = time.perf_counter() - t0
-    return payload, samples
+    metrics = dist.agree(score, MetricError, main_only=True)
+    metrics["time/eval"] = time.perf_counter() - t0
+    return metrics, samples
+
+
+def _eval_samples(models: LoadedModels, reward_step: RewardStep, records: list[dict[str, Any]],
+                  query_ids: list[list[int]], shard: Shard, gen: GenerationConfig, do_sample: bool,
+                  device: torch.device) -> list[dict[str, Any]]:
+    """Every eval sample with its reward, gathered on the main rank ([] elsewhere)."""
+    local: list[dict[str, Any]] = []
+    for r in range(shard.rounds):
+        mine = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]
+        g = generate(models.policy, models.tokenizer, [query_ids[i] for i in mine], gen, do_sample, device)
+        metadata = [{k: v for k, v in records[i].items() if k != "prompt"} for i in mine]
+        prompts = [records[i]["prompt"] for i in mine]
+        rewards, _ = reward_step(Samples(prompts, g.outputs, g.response_lists, metadata))
+        local += [{"index": i, "prompt": p, "output": o, "reward": rw.total, "output_token_ids": t, "metadata": md}
+                  for i, p, o, rw, t, md in zip(mine, prompts, g.outputs, rewards, g.response_lists, metadata)]
+    gathered = dist.gather_objects(local, dst=0)
+    return [s for part in gathered or [] for s in part]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,219 +288,123 @@ def train(
     ``prompts``/``eval_prompts``: override ``data.prompts``/``data.eval_prompts``. ``metric_fn``: same
     signature, returns ``{name: per-sample values}`` logged as ``eval/<name>``.
     """
-    # -- inputs, all checked before any model is loaded
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
-    records, eval_records, reward_fns, metric_fn = inp.records, inp.eval_records, inp.reward_fns, inp.metric_fn
-    query_ids, eval_query_ids, tokenizer = inp.query_ids, inp.eval_query_ids, inp.tokenizer
-    _check_run_dir(cfg)
-
-    # -- processes, seeds, models
+    run_dir = RunDir(Path(cfg.train.run_dir))
+    run_dir.check_start(cfg.train, eval_steps(cfg) if inp.eval_records else [])  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s)
-    W, R = dist.world_size(), dist.rank()
-    plan = inp.plan
-    assert plan.world_size == W, f"launcher said {plan.world_size} processes, the process group has {W}"
-    torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
-    torch.manual_seed(cfg.train.seed)  # shared: any random init inside from_pretrained matches on all ranks
-    models = _quiet(load_models, cfg.model, cfg.train.seed, tokenizer)
-    models.policy.to(device)
-    models.ref.to(device)
-    seed_everything(cfg.train.seed, R)  # per-rank: generation sampling
-    optimizer = torch.optim.AdamW(models.policy.parameters(), lr=cfg.ppo.lr, eps=cfg.ppo.adam_eps,
-                                  weight_decay=cfg.ppo.weight_decay)
-    total_steps = cfg.train.iterations * plan.optimizer_steps_per_iteration
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, total_steps))
-    model, optimizer = dist.prepare(models.policy, optimizer)
-    reward_step = RewardStep(reward_fns, cfg.reward.placement, cfg.reward.batch_size, models.tokenizer)
-    state = TrainState(
-        iteration=0,
-        kl_ctl=(ops.AdaptiveKLController(cfg.ppo.init_kl_coef, cfg.ppo.target_kl, cfg.ppo.kl_horizon)
-                if cfg.ppo.target_kl is not None else ops.FixedKLController(cfg.ppo.init_kl_coef)),
-        reward_moments=ops.RunningMoments(),
-        sampler=PromptSampler(len(records), cfg.train.seed, cfg.data.shuffle),
-        shuffle_gen=torch.Generator().manual_seed(rank_seed(cfg.train.seed + 1, R)),
-    )
-    run_dir = Path(cfg.train.run_dir)
-    resumed_from = _maybe_resume(cfg, run_dir, models, optimizer, scheduler, state) if cfg.train.resume else None
-    if resumed_from is None and cfg.train.overwrite and dist.is_main():
-        _clear_run_dir(run_dir)
-    dist.barrier()
-    writer = RunWriter(run_dir, cfg.train.tensorboard) if dist.is_main() else None
-    if writer:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    result = TrainResult(run_dir=run_dir)
-    names = [f.name for f in reward_fns]
-    _say(f"rallyrl: {W} process(es), {plan.num_rollouts} rollouts/iteration "
-         f"({'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s)), "
-         f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
+    models, learner, state = _build(cfg, inp, device)
+    reward_step = RewardStep(inp.reward_fns, cfg.reward.placement, cfg.reward.batch_size, inp.tokenizer)
+    resumed_from = _resume(run_dir, cfg, models, learner, state)
+    writer, plan, R = run_dir.open(cfg, resumed_from), inp.plan, dist.rank()
+    log = _Log(writer, cfg, state.iteration, TrainResult(run_dir=run_dir.path))
+    log.say(f"rallyrl: {plan.world_size} process(es), {plan.num_rollouts} rollouts/iteration "
+            f"({'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s)), "
+            f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
 
     def run_eval(step: int) -> dict[str, float]:
-        if not eval_records:
-            return {}
-        metrics, samples = evaluate(models, reward_step, eval_records, eval_query_ids, metric_fn, cfg, device)
-        if writer:
-            writer.log_eval_samples(step, samples)
-        _say("eval @ %d: %s" % (step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))))
-        return metrics
+        metrics, samples = evaluate(models, reward_step, inp.eval_records, inp.eval_query_ids, inp.metric_fn,
+                                    cfg.generation, cfg.eval.do_sample, cfg.rollout.chunk_size, device)
+        return log.eval(step, metrics, samples)
 
     try:
-        if resumed_from is None:
-            result.eval_before = {k: v for k, v in run_eval(0).items() if k.startswith("eval/")}
-        else:
-            _say(f"resumed from {resumed_from} at iteration {state.iteration}")
-        bar = _progress(cfg, state.iteration)
-        for it in range(state.iteration, cfg.train.iterations):
-            step = it + 1
+        if resumed_from is None and inp.eval_records:
+            log.eval_before(run_eval(0))
+        elif resumed_from is not None:
+            log.say(f"resumed from {resumed_from} at iteration {state.iteration}")
+        for step in range(state.iteration + 1, cfg.train.iterations + 1):
             t_iter = time.perf_counter()
-
             # 1-2. rollouts + central reward step
-            global_idx = state.sampler.next(plan.num_rollouts)
-            off = plan.offset(R)
-            mine = global_idx[off : off + plan.local_count(R)]
-            t0 = time.perf_counter()
-            ro, rstats, rtimes = collect_rollouts(models, reward_step, records, query_ids, mine, off,
-                                                  plan.rounds, plan.chunk_size, cfg, device,
-                                                  cfg.generation.do_sample)
-            t_rollout = time.perf_counter() - t0
-
+            shard = Shard.of_plan(plan, R, state.sampler.next(plan.num_rollouts))
+            ro, rstats, times = collect_rollouts(models, reward_step, inp.records, inp.query_ids, shard,
+                                                 cfg.generation, cfg.generation.do_sample, device)
+            times["time/rollout"] = time.perf_counter() - t_iter
             # 3-4. KL-shaped rewards and advantages
-            rewards, seq_kl = shape_rewards(ro, state, cfg)
-            advantages, returns = compute_advantages(ro, rewards, cfg)
-
-            # 5. PPO epochs
+            rewards, seq_kl = shape_rewards(ro, state, cfg.ppo)
+            advantages, returns = compute_advantages(ro, rewards, cfg.ppo)
+            # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
             t0 = time.perf_counter()
-            upd = ppo_update(model, optimizer, scheduler, ro, advantages, returns, state, cfg, device)
-            t_update = time.perf_counter() - t0
-
-            # 6. statistics (one all-reduce), KL controller, logs
-            metrics = _iteration_metrics(ro, seq_kl, returns, rstats, upd, names, state, plan)
+            upd = ppo_update(learner, ro, advantages, returns, state, cfg.ppo, cfg.generation.temperature, device)
+            times["time/update"] = time.perf_counter() - t0
+            # 6. statistics (one all-reduce), KL controller, logs, eval
+            metrics = iteration_metrics(ro, seq_kl, returns, rstats, upd, [f.name for f in inp.reward_fns],
+                                        state, plan) | times | {"policy/lr": learner.lr}
+            _check_finite(metrics, upd, step, cfg.ppo, run_dir)
             state.kl_ctl.update(metrics["policy/kl"], plan.num_rollouts)
-            metrics.update({f"time/{k.split('/')[1]}": v for k, v in rtimes.items()})
-            metrics.update({"time/rollout": t_rollout, "time/update": t_update,
-                            "time/reward_gather": rstats.time_gather,
-                            "lr": scheduler.get_last_lr()[0]})
             if cfg.train.log_rollouts:
-                _log_rollouts(writer, ro, step, R)
-            if eval_records and ((cfg.eval.interval and step % cfg.eval.interval == 0)
-                                 or step == cfg.train.iterations):
-                evaluated = run_eval(step)
-                metrics.update(evaluated)
-                result.eval_after = {k: v for k, v in evaluated.items() if k.startswith("eval/")}
+                log.rollouts(ro, step, R)
+            if inp.eval_records and ((cfg.eval.interval and step % cfg.eval.interval == 0)
+                                     or step == cfg.train.iterations):
+                metrics |= run_eval(step)
             state.iteration = step
-            metrics["time/iteration"] = time.perf_counter() - t_iter
-            if writer:
-                writer.log_metrics(step, metrics)
-                result.metrics.append(metrics)
-            _summary(bar, step, cfg.train.iterations, metrics)
-
-            # 7. checkpoint (collective; atomic)
+            log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})
+            # 7. checkpoint (collective; atomic; a failure on any rank stops every rank)
             if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                ckpt.save_checkpoint(run_dir, step, models.policy, optimizer, _state_dict(state, scheduler),
-                                     state.shuffle_gen, cfg.checkpoint.keep_last)
-        if bar is not None:
-            bar.close()
-        if cfg.train.save_final and dist.is_main():
-            _quiet(_save_final, models, run_dir / "final")
+                run_dir.save_checkpoint(step, models.policy, learner, state, cfg.checkpoint.keep_last)
+        log.close()
+        if cfg.train.save_final:
+            run_dir.save_final(models.policy, models.tokenizer)
+        # Every rank leaves together: a process that exits while a peer is still receiving from it (the
+        # broadcast of the last agreed stage) tears down gloo under that peer and aborts.
         dist.barrier()
     finally:
-        if writer:
-            writer.close()
-    return result
+        log.close()
+    return log.result
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers of the recipe
 
 
-def _state_dict(state: TrainState, scheduler: Any) -> dict[str, Any]:
-    """Everything except weights, optimizer and RNG that the next iteration depends on (JSON-able)."""
-    sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-    return {"iteration": state.iteration, "optimizer_steps": state.optimizer_steps,
-            "kl_ctl": state.kl_ctl.state_dict(), "reward_moments": state.reward_moments.state_dict(),
-            "sampler": state.sampler.state_dict(), "scheduler": sched}
+def eval_steps(cfg: Config) -> list[int]:
+    """The steps at which a run evaluates (0 = before the first iteration)."""
+    n, k = cfg.train.iterations, cfg.eval.interval
+    return sorted({0, n} | ({s for s in range(k, n + 1, k)} if k else set()))
 
 
-def _maybe_resume(cfg: Config, run_dir: Path, models: LoadedModels, optimizer: Any, scheduler: Any,
-                  state: TrainState) -> Path:
-    """Restore the run from a checkpoint; the main rank picks it so every rank loads the same one."""
-    status, path_s = dist.run_on_main(lambda: str(ckpt.resolve_resume(run_dir, cfg.train.resume or "latest")))
-    if status == "error":
-        raise ckpt.CheckpointError(path_s)
-    path = Path(path_s)
-    saved = ckpt.load_checkpoint(path, models.policy, optimizer, state.shuffle_gen)
-    state.iteration = saved["iteration"]
-    state.optimizer_steps = saved["optimizer_steps"]
-    state.kl_ctl.load_state_dict(saved["kl_ctl"])
-    state.reward_moments.load_state_dict(saved["reward_moments"])
-    state.sampler.load_state_dict(saved["sampler"])
-    scheduler.load_state_dict({**scheduler.state_dict(), **saved["scheduler"]})
-    if dist.is_main():
-        # A killed run may have logged iterations after its last checkpoint: drop them, so the logs
-        # continue without duplicate or missing steps.
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
-            _truncate_log(run_dir / name, state.iteration)
-    dist.barrier()
+def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels, Learner, TrainState]:
+    """Models, optimizer + schedule and the fresh train state, seeded (see ``rallyrl.seeding``)."""
+    W, R = dist.world_size(), dist.rank()
+    assert inp.plan.world_size == W, f"inputs were checked for {inp.plan.world_size} processes, the group has {W}"
+    torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
+    torch.manual_seed(cfg.train.seed)  # shared: any random init inside from_pretrained matches on all ranks
+    models = _quiet(load_models, cfg.model, cfg.train.seed, inp.tokenizer)
+    models.policy.to(device)
+    models.reference.to(device)
+    seed_everything(cfg.train.seed, R)  # per-rank: generation sampling
+    total_steps = cfg.train.iterations * inp.plan.optimizer_steps_per_iteration
+    learner = Learner.create(models.policy, cfg.ppo, total_steps)
+    state = TrainState.fresh(cfg, len(inp.records), shuffle_seed=stream_seed(cfg.train.seed, "minibatch", R))
+    return models, learner, state
+
+
+def _resume(run_dir: RunDir, cfg: Config, models: LoadedModels, learner: Learner, state: TrainState) -> Path | None:
+    """Restore the run from the checkpoint the main rank picks (so every rank loads the same one)."""
+    path = run_dir.resume_point(cfg.train)
+    if path is None:
+        return None
+    saved = ckpt.load_checkpoint(path, models.policy, learner.optimizer, state.shuffle_gen)
+    state.load_state_dict(saved)
+    learner.load_state_dict(saved["scheduler"])
+    run_dir.truncate_logs(state.iteration)
     return path
 
 
-def _truncate_log(path: Path, last_step: int) -> None:
-    if not path.is_file():
-        return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(keep), encoding="utf-8")
-    os.replace(tmp, path)
+def _check_finite(metrics: dict[str, float], upd: dict[str, float], step: int, ppo: PPOConfig,
+                  run_dir: RunDir) -> None:
+    """Every rank holds the same reduced metrics, so every rank stops here together."""
+    if upd["skipped"] and metrics["policy/nonfinite_skips"] > ppo.max_nonfinite_skips:
+        newest = run_dir.newest_checkpoint()
+        raise NonFiniteError(
+            f"iteration {step}: the loss or the gradient norm became NaN/inf in {int(upd['skipped'])} "
+            f"optimizer step(s); those steps were not applied (weights are unchanged by them). Newest "
+            f"checkpoint: {newest or 'none'}"
+            + ("; resume with --set train.resume=latest" if newest else "")
+            + ". Lower ppo.lr, clip rewards (ppo.reward_clip) or allow skips with ppo.max_nonfinite_skips")
 
 
-_RUN_OUTPUTS = ("metrics.jsonl", "rollouts.jsonl", "config.yaml", "eval", "checkpoints", "final", "tensorboard")
-
-
-def _check_run_dir(cfg: Config) -> None:
-    """Never append a fresh run to an earlier run's logs (that would silently mix two runs)."""
-    run_dir = Path(cfg.train.run_dir)
-    if cfg.train.resume or cfg.train.overwrite:
-        return
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
-        raise ConfigError(
-            f"train.run_dir {run_dir} already holds a run; resume it with train.resume=latest, start over "
-            f"with train.overwrite=true, or choose another train.run_dir"
-        )
-
-
-def _clear_run_dir(run_dir: Path) -> None:
-    import shutil
-
-    for name in _RUN_OUTPUTS:
-        p = run_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-
-
-def _required(v: Any, key: str) -> Any:
-    if v is None:
-        raise ConfigError(f"{key} is required (or pass it to train())")
-    return v
-
-
-def _lr_lambda(cfg: Config, total: int) -> Callable[[int], float]:
-    warm, kind = cfg.ppo.warmup_steps, cfg.ppo.lr_schedule
-
-    def f(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if kind == "constant" or total <= warm:
-            return 1.0
-        p = min(1.0, (step - warm) / max(1, total - warm))
-        return 1.0 - p if kind == "linear" else 0.5 * (1 + math.cos(math.pi * p))
-
-    return f
-
-
-def _iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor, rstats: StepStats,
-                       upd: dict[str, float], names: list[str], state: TrainState, plan: BatchPlan) -> dict[str, float]:
+def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor, rstats: StepStats,
+                      upd: dict[str, float], names: list[str], state: TrainState, plan: BatchPlan) -> dict[str, float]:
     """Global statistics of the iteration, with ONE all-reduce (sums; means derived afterwards)."""
     total = ro.total_rewards()  # (B,)
     m = ro.response_mask
@@ -563,7 +425,8 @@ def _iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor
     mean = g["reward_sum"] / n
     var_ret = g["ret_sq"] / tok - (g["ret_sum"] / tok) ** 2
     var_res = g["res_sq"] / tok - (g["res_sum"] / tok) ** 2
-    steps = max(1.0, g["u_steps"] / W)
+    steps = max(1.0, g["u_steps"] / W)  # applied optimizer steps (identical on every rank)
+    all_steps = max(1.0, (g["u_steps"] + g["u_skipped"]) / W)
     utok = max(1.0, g["u_tokens"])
     out = {
         "reward/mean": mean,
@@ -571,40 +434,94 @@ def _iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor
         "reward/calls": g["calls"],
         "reward/samples_per_call": g["samples"] / max(1.0, g["calls"]),
         "time/reward": g["time_reward"],
+        "time/reward_gather": rstats.time_gather,  # this (main) rank's time moving samples and rewards
         "policy/kl": g["kl_sum"] / n,
         "policy/kl_coef": state.kl_ctl.value,
         "policy/response_length": g["len_sum"] / n,
-        "policy/loss": g["u_pg_loss"] / W / steps,
+        "policy/loss": g["u_pg_loss"] / W / all_steps,
         "policy/clipfrac": g["u_clipfrac_tok"] / utok,
         "policy/approx_kl": g["u_approx_kl_tok"] / utok,
         "policy/entropy": g["u_entropy_tok"] / utok,
-        "value/loss": g["u_vf_loss"] / W / steps,
+        "policy/total_loss": g["u_loss"] / W / all_steps,
+        "policy/grad_norm": g["u_grad_norm"] / W / steps,
+        "policy/optimizer_steps": float(state.optimizer_steps),
+        "policy/nonfinite_skips": float(state.nonfinite_skips),
+        "value/loss": g["u_vf_loss"] / W / all_steps,
         "value/clipfrac": g["u_vf_clipfrac_tok"] / utok,
         "value/mean": g["value_sum"] / tok,
         "value/explained_variance": 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0,
-        "loss/total": g["u_loss"] / W / steps,
-        "opt/grad_norm": g["u_grad_norm"] / W / steps,
-        "opt/steps": float(state.optimizer_steps),
     }
     if len(names) > 1:
         out.update({f"reward/{k}": g[f"c_{k}"] / n for k in names})
     return out
 
 
-def _log_rollouts(writer: RunWriter | None, ro: Rollouts, step: int, rank: int) -> None:
-    totals = ro.total_rewards().tolist()
-    recs = [{"step": step, "rank": rank, "index": i, "prompt": p, "output": o, "reward": totals[k],
-             "kl": float((ro.logprobs[k] - ro.ref_logprobs[k])[ro.response_mask[k]].sum())}
-            for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
-    gathered = dist.gather_objects(recs, dst=0)
-    if writer and gathered:
-        writer.log_rollouts([r for part in gathered for r in part])
+class _Log:
+    """Progress bar, the per-iteration line and the run-dir writers (main rank; no-ops elsewhere)."""
 
+    def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult) -> None:
+        self.writer, self.total, self.result = writer, cfg.train.iterations, result
+        self.bar = None
+        if cfg.train.progress and dist.is_main():
+            from tqdm.auto import tqdm
 
-def _save_final(models: LoadedModels, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    models.policy.lm.save_pretrained(out, safe_serialization=True)
-    models.tokenizer.save_pretrained(out)
+            self.bar = tqdm(total=self.total, initial=start, desc="ppo", unit="it", file=sys.stderr,
+                            dynamic_ncols=True, leave=False)
+
+    def say(self, msg: str) -> None:
+        if not dist.is_main():
+            return
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def eval(self, step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> dict[str, float]:
+        if self.writer:
+            self.writer.log_eval_samples(step, samples)
+        self.say("eval @ %d: %s" % (step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))))
+        if step > 0:
+            self.result.eval_after = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        return metrics
+
+    def eval_before(self, metrics: dict[str, float]) -> None:
+        """The evaluation of the initial policy: a ``step: 0`` row, so every eval curve starts there."""
+        self.result.eval_before = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if self.writer:
+            self.writer.log_metrics(0, metrics)
+
+    def rollouts(self, ro: Rollouts, step: int, rank: int) -> None:
+        totals = ro.total_rewards().tolist()
+        kls = (ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist()
+        recs = [{"step": step, "rank": rank, "index": i, "prompt": p, "output": o, "reward": totals[k], "kl": kls[k]}
+                for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
+        gathered = dist.gather_objects(recs, dst=0)
+        if self.writer and gathered:
+            self.writer.log_rollouts([r for part in gathered for r in part])
+
+    def iteration(self, step: int, m: dict[str, float]) -> None:
+        if self.writer:
+            self.writer.log_metrics(step, m)
+            self.result.metrics.append(m)
+        if not dist.is_main():
+            return
+        line = (f"iter {step}/{self.total} | reward {m['reward/mean']:.4f} | kl {m['policy/kl']:.4f} | "
+                f"loss {m['policy/total_loss']:.4f} | clipfrac {m['policy/clipfrac']:.3f} | {m['time/iteration']:.2f}s")
+        extra = [f"{k}={v:.4f}" for k, v in m.items() if k.startswith("eval/")]
+        if extra:
+            line += " | " + " ".join(extra)
+        if self.bar is not None:
+            self.bar.update(1)
+        self.say(line)
+
+    def close(self) -> None:
+        # The bar is closed before anything else is printed, so an error line stands on its own.
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer:
+            self.writer.close()
+            self.writer = None
 
 
 def _quiet(fn: Callable[..., Any], *args: Any) -> Any:
@@ -618,30 +535,3 @@ def _quiet(fn: Callable[..., Any], *args: Any) -> Any:
     finally:
         if was:
             hf_logging.enable_progress_bar()
-
-
-def _say(msg: str) -> None:
-    if dist.is_main():
-        print(msg, file=sys.stderr, flush=True)
-
-
-def _progress(cfg: Config, start: int) -> Any:
-    if not (cfg.train.progress and dist.is_main()):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.train.iterations, initial=start, desc="ppo", unit="it", file=sys.stderr,
-                dynamic_ncols=True, leave=False)
-
-
-def _summary(bar: Any, step: int, total: int, m: dict[str, float]) -> None:
-    line = (f"iter {step}/{total} | reward {m['reward/mean']:.4f} | kl {m['policy/kl']:.4f} | "
-            f"loss {m['loss/total']:.4f} | clipfrac {m['policy/clipfrac']:.3f} | {m['time/iteration']:.2f}s")
-    extra = [f"{k}={v:.4f}" for k, v in m.items() if k.startswith("eval/")]
-    if extra:
-        line += " | " + " ".join(extra)
-    if bar is not None:
-        bar.update(1)
-        bar.write(line, file=sys.stderr)
-    elif dist.is_main():
-        print(line, file=sys.stderr, flush=True)

@@ -53,14 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"randomwalks: training failed (exit {rc})", file=sys.stderr)
         return rc
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [m for m in rows if m["step"] >= 1]  # the step-0 row is the evaluation before training
     before, n = _mean_optimality(run_dir / "eval" / "step_0.jsonl")
     last = metrics[-1]
     after, n_after = _mean_optimality(run_dir / "eval" / f"step_{last['step']}.jsonl")
     loop = sum(m["time/iteration"] for m in metrics)
     print(f"\nrandomwalks: eval optimality {before:.3f} -> {after:.3f} ({n_after} sampled walks; "
           f"random walks score ~0.3)")
-    print(f"randomwalks: {len(metrics)} PPO iterations, {int(last['opt/steps'])} optimizer steps; "
+    print(f"randomwalks: {len(metrics)} PPO iterations, {int(last['policy/optimizer_steps'])} optimizer steps; "
           f"PPO loop {loop:.1f}s (incl. evals), training command {t_ppo:.1f}s incl. start-up, "
           f"prepare {t_prepare:.1f}s; run dir {run_dir}")
     return 0

@@ -22,11 +22,11 @@ micro-batch bounds) is a set of pure functions (``concat_shards``, ``split_by_co
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..errors import Failure, RewardError
 from .validate import validate_rewards
 
 # `dist` and `seeding` (torch) are imported where they are used, not here: `import rallyrl` (and so the
@@ -36,55 +36,6 @@ RewardFn = Callable[..., Any]
 T = TypeVar("T")
 
 PLACEMENTS = ("main", "local", "collective")
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What went wrong in a reward step on one rank (picklable: it is sent to every rank)."""
-
-    rank: int
-    error_type: str
-    message: str
-    traceback: str
-
-    @staticmethod
-    def of(exc: BaseException, rank: int) -> "Failure":
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return Failure(rank, type(exc).__name__, str(exc), tb)
-
-    def text(self) -> str:
-        return f"on rank {self.rank}: {self.error_type}: {self.message}\n{self.traceback}"
-
-
-class RewardError(RuntimeError):
-    """A reward function failed or returned invalid output (raised identically on every rank).
-
-    ``rank``, ``error_type``, ``original_message`` and ``traceback_text`` describe the original failure
-    (of the lowest failing rank, when several failed; ``failed_ranks`` lists them all).
-    """
-
-    def __init__(self, message: str, failure: Failure | None = None, failed_ranks: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.rank = failure.rank if failure else None
-        self.error_type = failure.error_type if failure else None
-        self.original_message = failure.message if failure else None
-        self.traceback_text = failure.traceback if failure else None
-        self.failed_ranks = list(failed_ranks)
-
-    @staticmethod
-    def from_failures(failures: Sequence[Failure | None], what: str = "reward step") -> "RewardError":
-        got = [f for f in failures if f is not None]
-        assert got, "from_failures needs at least one failure"
-        first = got[0]
-        msg = f"{what} failed {first.text()}"
-        if len(got) > 1:
-            msg += f"\n(it also failed on rank(s) {', '.join(str(f.rank) for f in got[1:])})"
-        return RewardError(msg, first, [f.rank for f in got])
-
-
-def _failure(exc: BaseException, rank: int) -> str:
-    """The text of a failure (used by the trainer for metric_fn errors)."""
-    return Failure.of(exc, rank).text()
 
 
 @dataclass
@@ -143,6 +94,13 @@ class StepStats:
     samples: int = 0  # samples passed to those calls (so samples / calls = mean micro-batch size)
     time_reward: float = 0.0  # seconds this rank spent inside reward functions
     time_gather: float = 0.0  # seconds moving samples, rewards and failures between ranks (per rank)
+
+    def add(self, other: "StepStats") -> None:
+        """Accumulate another step's statistics (the chunk rounds of one iteration)."""
+        self.calls += other.calls
+        self.samples += other.samples
+        self.time_reward += other.time_reward
+        self.time_gather += other.time_gather
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,7 +236,7 @@ class RewardStep:
         status, mine = dist.scatter_objects(payload, src=0)
         stats.time_gather = t_gather + time.perf_counter() - t1
         if status == "error":
-            raise RewardError.from_failures([mine])
+            dist.raise_failures([mine], RewardError)
         return mine, stats
 
     # --- local: each rank scores its own ---------------------------------------------------------
@@ -297,8 +255,7 @@ class RewardStep:
         t0 = time.perf_counter()
         failures = dist.all_gather_objects(failure)
         stats.time_gather = time.perf_counter() - t0
-        if any(failures):
-            raise RewardError.from_failures(failures)
+        dist.raise_failures(failures, RewardError)
         return rewards, stats
 
     # --- collective: everyone scores the full batch together -------------------------------------
@@ -319,8 +276,7 @@ class RewardStep:
         t1 = time.perf_counter()
         failures = dist.all_gather_objects(failure)
         stats.time_gather = t_gather + time.perf_counter() - t1
-        if any(failures):
-            raise RewardError.from_failures(failures)
+        dist.raise_failures(failures, RewardError)
         if dist.rank() != 0:  # one joint call per micro-batch: count it once (stats are summed over ranks)
             stats.calls, stats.samples, stats.time_reward = 0, 0, 0.0
         return rewards, stats

@@ -49,8 +49,12 @@ def _run(tmp: Path, name: str, nproc: int, model: Path, reward: dict, **sections
     proc = rallyrl_train(write_config(tmp / f"{name}.yaml", cfg), nproc, RALLYRL_TEST_CALL_LOG=str(log))
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-5000:]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    # with evaluation on, the first row (step 0) is the evaluation of the initial policy
+    if cfg["data"].get("eval_prompts"):
+        assert rows[0]["step"] == 0
     return {"dir": run_dir, "calls": read_jsonl(log) if log.exists() else [], "wall": wall,
-            "metrics": read_jsonl(run_dir / "metrics.jsonl"), "rollouts": read_jsonl(run_dir / "rollouts.jsonl")}
+            "metrics": [m for m in rows if m["step"] >= 1], "rollouts": read_jsonl(run_dir / "rollouts.jsonl")}
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,10 @@ def test_micro_batches_match_whole_minibatches(tiny_model, tmp_path):
         assert m["reward/mean"] == base_m["reward/mean"]  # the same samples (same RNG streams)
         # The accumulated gradient equals the whole minibatch's up to float rounding: its norm (logged
         # before clipping) and the losses agree. A per-micro-batch normaliser would scale them by ~3-7x.
-        assert m["opt/grad_norm"] == pytest.approx(base_m["opt/grad_norm"], rel=1e-5)
+        assert m["policy/grad_norm"] == pytest.approx(base_m["policy/grad_norm"], rel=1e-5)
         assert m["policy/loss"] == pytest.approx(base_m["policy/loss"], rel=1e-5, abs=1e-7)
         assert m["value/loss"] == pytest.approx(base_m["value/loss"], rel=1e-5, abs=1e-7)
-        assert m["opt/steps"] == base_m["opt/steps"] == 1
+        assert m["policy/optimizer_steps"] == base_m["policy/optimizer_steps"] == 1
         # Adam's first step is about lr * sign(grad): weights agree to within 2 * lr
         for k in base_w:
             assert torch.allclose(w[k], base_w[k], atol=2.5e-3), (micro, k)

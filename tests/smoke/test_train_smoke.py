@@ -12,8 +12,9 @@ from tests.helpers.runs import base_config
 pytestmark = pytest.mark.smoke
 
 REQUIRED = ["reward/mean", "reward/std", "reward/calls", "reward/samples_per_call", "policy/kl", "policy/kl_coef",
-            "policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy", "value/loss", "loss/total",
-            "time/reward", "time/reward_gather", "time/rollout", "time/update", "time/iteration", "lr"]
+            "policy/loss", "policy/clipfrac", "policy/approx_kl", "policy/entropy", "value/loss", "policy/total_loss",
+            "policy/grad_norm", "policy/optimizer_steps", "policy/nonfinite_skips", "time/reward",
+            "time/reward_gather", "time/rollout", "time/update", "time/iteration", "policy/lr"]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,12 @@ def test_run_directory_contract(run):
     assert resolved["rollout"]["num_rollouts"] == 7 and resolved["ppo"]["lr"] == pytest.approx(1e-3)
     rallyrl.load_config(run_dir / "config.yaml")  # the resolved config is itself a valid config
 
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in rows] == [0, 1, 2]
+    # step 0: the evaluation of the initial policy, so every eval curve starts at the pretrained model
+    assert set(rows[0]) == {"step", "eval/reward_mean", "eval/length", "time/eval"}
+    assert rows[0]["eval/reward_mean"] == pytest.approx(result.eval_before["eval/reward_mean"])
+    metrics = rows[1:]
     for m in metrics:
         missing = [k for k in REQUIRED if k not in m]
         assert not missing, missing
@@ -81,8 +86,8 @@ def test_first_ppo_step_is_on_policy(run):
     """Rollout log-probs equal the training forward's at the first minibatch (ratio 1): the generation,
     scoring and training passes see identical inputs (padding, positions, temperature)."""
     run_dir, _, _ = run
-    m = read_jsonl(run_dir / "metrics.jsonl")[0]
-    assert m["policy/approx_kl"] < 0.5  # averaged over 4 optimizer steps at lr 1e-3
+    m = read_jsonl(run_dir / "metrics.jsonl")[1]
+    assert m["step"] == 1 and m["policy/approx_kl"] < 0.5  # averaged over 4 optimizer steps at lr 1e-3
 
 
 def test_every_logged_metric_is_documented(run):

@@ -1,0 +1,99 @@
+"""What the loop carries from one iteration to the next, with the state dicts a checkpoint holds.
+
+``Learner``: the trained model (DDP-wrapped when there are several ranks), its optimizer and LR schedule,
+and the guarded optimizer step. ``TrainState``: iteration and step counters, the KL controller, running
+reward moments, the prompt sampler and the per-rank minibatch generator. Weights, optimizer tensors and
+RNG streams go to safetensors in ``rallyrl.checkpoint``; ``TrainState.state_dict`` is the JSON rest.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import dist, ops
+from .config import Config, PPOConfig
+from .data import PromptSampler
+
+
+@dataclass
+class Learner:
+    model: torch.nn.Module  # the policy, DDP-wrapped when there are several ranks
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    max_grad_norm: float | None
+
+    @staticmethod
+    def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int) -> "Learner":
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, functools.partial(ops.lr_multiplier, total=total_steps, warmup=ppo.warmup_steps,
+                                         kind=ppo.lr_schedule))
+        model, optimizer = dist.prepare(policy, optimizer)
+        return Learner(model, optimizer, scheduler, ppo.max_grad_norm)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def step(self, loss: torch.Tensor) -> float | None:
+        """Clip and apply the accumulated gradients; returns the (pre-clip) gradient norm.
+
+        A non-finite ``loss`` (this rank's, summed over its micro-batches) or gradient norm never
+        reaches the weights: every rank agrees (one all-reduce of two flags) and, if any rank saw one,
+        none applies the step and ``None`` is returned. This flag exchange and its ``.tolist()`` are the
+        update's one reduction and one host sync per optimizer step.
+        """
+        # With clipping off, an infinite max norm still returns the (pre-clip) norm for the logs.
+        norm = dist.clip_grad_norm(self.model, self.max_grad_norm if self.max_grad_norm is not None else float("inf"))
+        bad = dist.all_reduce_sum(torch.stack([~torch.isfinite(loss), ~torch.isfinite(norm)]).double())
+        bad_loss, bad_norm, norm_value = torch.cat([bad, norm.detach().double().reshape(1).to(bad.device)]).tolist()
+        if bad_loss or bad_norm:
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm_value
+
+    def load_state_dict(self, scheduler_state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **scheduler_state})
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+@dataclass
+class TrainState:
+    iteration: int  # iterations completed
+    kl_ctl: ops.FixedKLController | ops.AdaptiveKLController
+    reward_moments: ops.RunningMoments
+    sampler: PromptSampler
+    shuffle_gen: torch.Generator  # per-rank minibatch order
+    optimizer_steps: int = 0  # applied optimizer steps
+    nonfinite_skips: int = 0  # optimizer steps not applied because the loss or gradient norm was NaN/inf
+
+    @staticmethod
+    def fresh(cfg: Config, num_prompts: int, shuffle_seed: int) -> "TrainState":
+        ppo = cfg.ppo
+        kl_ctl = (ops.AdaptiveKLController(ppo.init_kl_coef, ppo.target_kl, ppo.kl_horizon)
+                  if ppo.target_kl is not None else ops.FixedKLController(ppo.init_kl_coef))
+        return TrainState(iteration=0, kl_ctl=kl_ctl, reward_moments=ops.RunningMoments(),
+                          sampler=PromptSampler(num_prompts, cfg.train.seed, cfg.data.shuffle),
+                          shuffle_gen=torch.Generator().manual_seed(shuffle_seed))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything except weights, optimizer, schedule and RNG that later iterations depend on (JSON)."""
+        return {"iteration": self.iteration, "optimizer_steps": self.optimizer_steps,
+                "nonfinite_skips": self.nonfinite_skips, "kl_ctl": self.kl_ctl.state_dict(),
+                "reward_moments": self.reward_moments.state_dict(), "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration = state["iteration"]
+        self.optimizer_steps = state["optimizer_steps"]
+        self.nonfinite_skips = state.get("nonfinite_skips", 0)
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+        self.sampler.load_state_dict(state["sampler"])

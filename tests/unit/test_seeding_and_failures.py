@@ -1,0 +1,53 @@
+"""One seeding scheme for every stream; one failure mechanism for every stage (world size 1 here; the
+multi-process behaviour is in tests/dist)."""
+
+import pytest
+
+from rallyrl import dist, ops
+from rallyrl.errors import CheckpointError, Failure, MetricError, RewardError, StageError
+from rallyrl.seeding import stream_seed
+
+
+def test_stream_seeds_are_deterministic_and_distinct():
+    assert stream_seed(0, "sampling", 0) == stream_seed(0, "sampling", 0)
+    seeds = {stream_seed(s, name, r) for s in (0, 1) for name in ("sampling", "minibatch") for r in (None, 0, 1)}
+    assert len(seeds) == 12  # no two (seed, stream, rank) share a seed: seed 1/rank 0 != seed 0/rank 1
+    assert all(0 <= x < 2**63 for x in seeds)
+
+
+def test_agree_raises_the_stage_error_with_the_cause():
+    def boom():
+        raise ValueError("disk on fire")
+
+    with pytest.raises(MetricError, match=r"metric_fn failed on rank 0: ValueError: disk on fire") as e:
+        dist.agree(boom, MetricError, main_only=True)
+    assert e.value.rank == 0 and e.value.error_type == "ValueError" and e.value.failed_ranks == [0]
+    with pytest.raises(RewardError, match=r"^scoring failed on rank 0: ValueError"):
+        dist.agree(boom, RewardError, what="scoring")
+    assert dist.agree(lambda: 42, RewardError) == 42
+    assert dist.agree(lambda: 43, RewardError, main_only=True) == 43
+
+
+def test_a_stage_error_inside_is_not_wrapped_twice():
+    def missing():
+        raise CheckpointError("checkpoint runs/x/step_3 is incomplete: manifest.json is missing")
+
+    with pytest.raises(CheckpointError, match=r"^checkpoint runs/x/step_3 is incomplete: manifest.json is missing$"):
+        dist.agree(missing, CheckpointError, main_only=True)
+
+
+def test_from_failures_takes_the_lowest_rank_and_lists_the_others():
+    fs = [None, Failure(2, "KeyError", "b", ""), Failure(1, "ValueError", "a", "")]
+    e = StageError.from_failures(fs, "reward step")
+    assert str(e).startswith("reward step failed on rank 1: ValueError: a")
+    assert "also failed on rank(s) 2" in str(e) and e.failed_ranks == [1, 2]
+
+
+def test_lr_multiplier_hand_values():
+    # warm-up 2 of 10 steps, then linear to 0 over the remaining 8
+    assert [ops.lr_multiplier(s, 10, 2, "linear") for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    assert ops.lr_multiplier(5, 10, 0, "cosine") == pytest.approx(0.5)  # half way: (1 + cos(pi/2)) / 2
+    assert ops.lr_multiplier(0, 10, 0, "cosine") == 1.0
+    assert ops.lr_multiplier(7, 10, 0, "constant") == 1.0
+    with pytest.raises(ValueError, match="unknown lr schedule"):
+        ops.lr_multiplier(1, 10, 0, "step")
