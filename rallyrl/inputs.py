@@ -22,6 +22,27 @@ from .reward.step import NamedRewardFn
 MetricFn = Callable[..., dict[str, Sequence[float]]]
 
 
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompt records ({"prompt": str, ...metadata}) with their token ids, read by global index."""
+
+    records: list[dict[str, Any]]
+    query_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def texts(self, idx: Sequence[int]) -> list[str]:
+        return [self.records[i]["prompt"] for i in idx]
+
+    def metadata(self, idx: Sequence[int]) -> list[dict[str, Any]]:
+        """Every column but the prompt (what reaches the reward function as per-sample kwargs)."""
+        return [{k: v for k, v in self.records[i].items() if k != "prompt"} for i in idx]
+
+    def token_ids(self, idx: Sequence[int]) -> list[list[int]]:
+        return [self.query_ids[i] for i in idx]
+
+
 @dataclass
 class Inputs:
     records: list[dict[str, Any]]  # training prompt records ({"prompt": str, ...metadata})
@@ -32,6 +53,14 @@ class Inputs:
     metric_fn: MetricFn | None
     tokenizer: Any  # PreTrainedTokenizerBase (pad token set, left padding)
     plan: BatchPlan
+
+    @property
+    def train_set(self) -> PromptSet:
+        return PromptSet(self.records, self.query_ids)
+
+    @property
+    def eval_set(self) -> PromptSet:
+        return PromptSet(self.eval_records, self.eval_query_ids)
 
 
 def prepare_inputs(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from .config import GenerationConfig
+from .config import BatchPlan, GenerationConfig, split_evenly
 from .models import Policy, Reference
 from .reward.step import Reward
 
@@ -126,6 +126,29 @@ class Rollouts:
             global_index=[x for p in parts for x in p.global_index],
             reward_components=[x for p in parts for x in p.reward_components],
         )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of a batch: its global sample indices (rank-major order), the global index of
+    its first sample, and the chunk rounds EVERY rank runs (so each enters the reward step as often)."""
+
+    indices: list[int]
+    first_index: int
+    rounds: int
+    chunk_size: int
+
+    @staticmethod
+    def of_plan(plan: BatchPlan, rank: int, global_indices: list[int]) -> "Shard":
+        off = plan.offset(rank)
+        return Shard(global_indices[off : off + plan.local_count(rank)], off, plan.rounds, plan.chunk_size)
+
+    @staticmethod
+    def even(n: int, world_size: int, rank: int, chunk_size: int) -> "Shard":
+        """``n`` samples (e.g. the eval set) split as evenly as possible."""
+        counts = split_evenly(n, world_size)
+        off = sum(counts[:rank])
+        return Shard(list(range(off, off + counts[rank])), off, -(-max(counts) // chunk_size), chunk_size)
 
 
 def pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:

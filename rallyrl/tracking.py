@@ -17,12 +17,17 @@ import json
 import math
 import os
 import shutil
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import dist
 from .config import Config, ConfigError, TrainConfig
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .rollout import Rollouts
 
 MANIFEST = "rallyrl-run.json"
 # Everything rallyrl may write at the top of a run directory; folders marked True hold only rallyrl's files.
@@ -84,8 +89,15 @@ class RunDir:
         return steps[-1] if steps else None
 
     # --- may a run start here? (every rank, before anything heavy) -------------------------------
-    def check_start(self, train: TrainConfig, eval_steps: list[int]) -> None:
-        """Decide fresh start or resume and refuse, with the fix, what would mix runs or lose a file."""
+    @staticmethod
+    def check_start(path: Path, train: TrainConfig, eval_steps: list[int]) -> "RunDir":
+        """The run directory, once it is decided whether this is a fresh start or a resume, with what
+        would mix two runs or replace a user's file refused (with the fix)."""
+        run_dir = RunDir(path)
+        run_dir._check_start(train, eval_steps)
+        return run_dir
+
+    def _check_start(self, train: TrainConfig, eval_steps: list[int]) -> None:
         self.resuming = train.resume not in (None, "auto") or (train.resume == "auto" and self.newest_checkpoint() is not None)
         if self.resuming:
             return
@@ -256,6 +268,99 @@ class RunWriter:
         self._rollouts.close()
         if self._tb is not None:
             self._tb.close()
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per iteration (main rank)
+    eval_before: dict[str, float] = field(default_factory=dict)  # eval/* before the first iteration
+    eval_after: dict[str, float] = field(default_factory=dict)  # eval/* of the latest evaluation
+
+
+class RunLog:
+    """Progress bar, the per-iteration line and the run-dir writers (main rank; no-ops elsewhere)."""
+
+    def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult) -> None:
+        self.writer, self.total, self.result = writer, cfg.train.iterations, result
+        self.bar = None
+        if cfg.train.progress and dist.is_main():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.total, initial=start, desc="ppo", unit="it", file=sys.stderr,
+                            dynamic_ncols=True, leave=False)
+
+    def start(self, plan: Any, cfg: Config, resumed_from: Path | None, iteration: int) -> None:
+        self.say(f"rallyrl: {plan.world_size} process(es), {plan.num_rollouts} rollouts/iteration "
+                 f"({'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s)), "
+                 f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
+        if resumed_from is not None:
+            self.say(f"resumed from {resumed_from} at iteration {iteration}")
+
+    def interrupted(self, completed: int, newest: Path | None) -> None:
+        """Ctrl-C: close the bar first so the line stands on its own, then say how to continue."""
+        self.close()
+        if newest is None:
+            self.say(f"rallyrl: interrupted at iteration {completed + 1}; no checkpoint to resume from "
+                     f"(set checkpoint.interval to make runs resumable)")
+        else:
+            self.say(f"rallyrl: interrupted at iteration {completed + 1}; newest checkpoint {newest.name}; "
+                     f"resume with --set train.resume=latest")
+
+    def say(self, msg: str) -> None:
+        if not dist.is_main():
+            return
+        if self.bar is not None:
+            self.bar.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def eval(self, step: int, metrics: dict[str, float], samples: list[dict[str, Any]]) -> dict[str, float]:
+        if self.writer:
+            self.writer.log_eval_samples(step, samples)
+        self.say("eval @ %d: %s" % (step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))))
+        if step > 0:
+            self.result.eval_after = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        return metrics
+
+    def eval_before(self, metrics: dict[str, float]) -> None:
+        """The evaluation of the initial policy: a ``step: 0`` row, so every eval curve starts there."""
+        self.result.eval_before = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if self.writer:
+            self.writer.log_metrics(0, metrics)
+
+    def rollouts(self, ro: "Rollouts", step: int, rank: int) -> None:
+        totals = ro.total_rewards().tolist()
+        kls = (ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist()
+        recs = [{"step": step, "rank": rank, "index": i, "prompt": p, "output": o, "reward": totals[k], "kl": kls[k]}
+                for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
+        gathered = dist.gather_objects(recs, dst=0)
+        if self.writer and gathered:
+            self.writer.log_rollouts([r for part in gathered for r in part])
+
+    def iteration(self, step: int, m: dict[str, float]) -> None:
+        if self.writer:
+            self.writer.log_metrics(step, m)
+            self.result.metrics.append(m)
+        if not dist.is_main():
+            return
+        line = (f"iter {step}/{self.total} | reward {m['reward/mean']:.4f} | kl {m['policy/kl']:.4f} | "
+                f"loss {m['policy/total_loss']:.4f} | clipfrac {m['policy/clipfrac']:.3f} | {m['time/iteration']:.2f}s")
+        extra = [f"{k}={v:.4f}" for k, v in m.items() if k.startswith("eval/")]
+        if extra:
+            line += " | " + " ".join(extra)
+        if self.bar is not None:
+            self.bar.update(1)
+        self.say(line)
+
+    def close(self) -> None:
+        # The bar is closed before anything else is printed, so an error line stands on its own.
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer:
+            self.writer.close()
+            self.writer = None
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

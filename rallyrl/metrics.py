@@ -1,0 +1,67 @@
+"""The iteration's logged statistics (``docs/metrics.md`` says what each means): global over all ranks,
+from per-rank sums combined with ONE all-reduce."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dist
+from .config import BatchPlan
+from .reward.step import StepStats
+from .rollout import Rollouts
+from .state import TrainState
+
+
+def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor, rstats: StepStats,
+                      upd: dict[str, float], names: list[str], state: TrainState, plan: BatchPlan) -> dict[str, float]:
+    """Global statistics of the iteration, with ONE all-reduce (sums; means derived afterwards)."""
+    total = ro.total_rewards()  # (B,)
+    m = ro.response_mask
+    resid = (returns - ro.values) * m
+    local = {
+        "n": float(len(ro)), "reward_sum": float(total.sum()), "reward_sq": float((total**2).sum()),
+        "kl_sum": float(seq_kl.sum()), "len_sum": float(m.sum()),
+        "value_sum": float((ro.values * m).sum()),
+        "ret_sum": float(returns.mul(m).sum()), "ret_sq": float(returns.double().pow(2).mul(m).sum()),
+        "res_sum": float(resid.sum()), "res_sq": float(resid.double().pow(2).sum()),
+        "calls": float(rstats.calls), "samples": float(rstats.samples), "time_reward": rstats.time_reward,
+        **{f"u_{k}": v for k, v in upd.items()},
+        **{f"c_{n}": float(sum(c.get(n, 0.0) for c in ro.reward_components)) for n in names},
+    }
+    g = dist.reduce_stats(local)
+    W = plan.world_size
+    n, tok = g["n"], max(1.0, g["len_sum"])
+    mean = g["reward_sum"] / n
+    var_ret = g["ret_sq"] / tok - (g["ret_sum"] / tok) ** 2
+    var_res = g["res_sq"] / tok - (g["res_sum"] / tok) ** 2
+    steps = max(1.0, g["u_steps"] / W)  # applied optimizer steps (identical on every rank)
+    all_steps = max(1.0, (g["u_steps"] + g["u_skipped"]) / W)
+    utok = max(1.0, g["u_tokens"])
+    out = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(max(0.0, g["reward_sq"] / n - mean**2) * n / max(1.0, n - 1)),
+        "reward/calls": g["calls"],
+        "reward/samples_per_call": g["samples"] / max(1.0, g["calls"]),
+        "time/reward": g["time_reward"],
+        "time/reward_gather": rstats.time_gather,  # this (main) rank's time moving samples and rewards
+        "policy/kl": g["kl_sum"] / n,
+        "policy/kl_coef": state.kl_ctl.value,
+        "policy/response_length": g["len_sum"] / n,
+        "policy/loss": g["u_pg_loss"] / W / all_steps,
+        "policy/clipfrac": g["u_clipfrac_tok"] / utok,
+        "policy/approx_kl": g["u_approx_kl_tok"] / utok,
+        "policy/entropy": g["u_entropy_tok"] / utok,
+        "policy/total_loss": g["u_loss"] / W / all_steps,
+        "policy/grad_norm": g["u_grad_norm"] / W / steps,
+        "policy/optimizer_steps": float(state.optimizer_steps),
+        "policy/nonfinite_skips": float(state.nonfinite_skips),
+        "value/loss": g["u_vf_loss"] / W / all_steps,
+        "value/clipfrac": g["u_vf_clipfrac_tok"] / utok,
+        "value/mean": g["value_sum"] / tok,
+        "value/explained_variance": 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0,
+    }
+    if len(names) > 1:
+        out.update({f"reward/{k}": g[f"c_{k}"] / n for k in names})
+    return out
