@@ -1,0 +1,69 @@
+"""The two model protocols the loop talks to, and the value head every policy shares.
+
+Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) response length, ``V`` vocab,
+``H`` hidden size. Masks are True on real tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..seeding import stream_generator
+
+
+class Policy(Protocol):
+    """What the loop needs from a policy (an ``nn.Module``; its parameters are what PPO trains).
+
+    Shapes: ``query`` (B, Q) left-padded, ``response`` (B, T) right-padded, masks True on real tokens.
+    """
+
+    def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (B, T, V) predicting each response token, and values (B, T): the value of the state in
+        which response token t is chosen."""
+        ...
+
+    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
+        """Sampled response token ids (B, T') for the queries (no query tokens; ends padded)."""
+        ...
+
+    def save_pretrained(self, out: Path) -> None:
+        """Write the policy (without the value head) as a folder plain ``transformers`` can load."""
+        ...
+
+
+class Reference(Protocol):
+    """The frozen reference policy of the KL penalty."""
+
+    def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                 response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(B, T) log-probabilities of the response tokens under the reference, logits divided by
+        ``temperature`` (the sampling policy's temperature, so the KL compares like with like)."""
+        ...
+
+
+def make_value_head(hidden: int, kind: str, std: float, seed: int, dtype: torch.dtype) -> nn.Module:
+    """Scalar value head on a hidden state, initialised from the shared seed: identical on every rank
+    and independent of the global RNG. ``linear`` as TRL; ``mlp`` is trlx's Linear(H, 2H) -> ReLU ->
+    Linear(2H, 1), more capacity for the value than a single projection of the policy's features."""
+    g = stream_generator(seed, "value_head")
+    last: nn.Linear
+    if kind == "mlp":
+        first = nn.Linear(hidden, 2 * hidden, dtype=dtype)
+        with torch.no_grad():
+            bound = 1.0 / hidden**0.5  # nn.Linear's default init, drawn from the shared generator
+            first.weight.copy_((torch.rand(first.weight.shape, generator=g) * 2 - 1) * bound)
+            first.bias.copy_((torch.rand(first.bias.shape, generator=g) * 2 - 1) * bound)
+        last = nn.Linear(2 * hidden, 1, dtype=dtype)
+        head: nn.Module = nn.Sequential(first, nn.ReLU(), last)
+    else:
+        last = nn.Linear(hidden, 1, dtype=dtype)
+        head = last
+    with torch.no_grad():
+        last.weight.copy_((torch.randn(last.weight.shape, generator=g) * std).to(dtype))
+        last.bias.zero_()
+    return head

@@ -1,0 +1,81 @@
+"""Causal LMs (``AutoModelForCausalLM``): the policy with a value head and the full-copy reference.
+
+A causal LM sees ``[left-padded query | right-padded response]`` as one sequence; that concatenation
+happens here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import ops
+from .base import make_value_head
+
+
+class CausalPolicy(nn.Module):
+    """A causal LM plus a scalar value head on its last hidden state (one forward gives both)."""
+
+    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str = "linear") -> None:
+        super().__init__()
+        self.lm = lm
+        self.v_head = make_value_head(lm.config.get_text_config().hidden_size, head, value_head_std, seed,
+                                      next(lm.parameters()).dtype)
+
+    def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = response.shape[1]
+        out = _causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=True)
+        logits = out.logits[:, -(T + 1) : -1]  # (B, T, V): position t-1 predicts response token t
+        hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # (B, T, H)
+        return logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
+
+    @torch.no_grad()
+    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
+        # We always pass the attention mask, but generate() drops an all-ones one, after which the pads
+        # of finished rows make transformers warn about a missing mask; that warning does not apply.
+        hf_log = logging.getLogger("transformers.modeling_utils")
+        level = hf_log.level
+        hf_log.setLevel(logging.ERROR)
+        try:
+            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, **sampling)
+        finally:
+            hf_log.setLevel(level)
+        return out[:, query.shape[1] :]  # (B, T'): a causal LM echoes the query first
+
+    def save_pretrained(self, out: Path) -> None:
+        self.lm.save_pretrained(out, safe_serialization=True)
+
+
+class CopyReference(nn.Module):
+    """The reference as a full frozen copy of the initial causal LM (trlx / TRL default)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = copy.deepcopy(lm).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                 response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+        T = response.shape[1]
+        logits = _causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
+        return ops.logprobs_from_logits(logits[:, -(T + 1) : -1].float() / temperature, response)  # (B, T)
+
+
+def _causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                    response_mask: torch.Tensor, hidden_states: bool) -> Any:
+    """The causal-LM forward both passes share, on [left-padded query | right-padded response]. Left
+    padding shifts the real tokens, so positions count real tokens only (as generate() does); only the
+    last T + 1 logits are computed where the model supports it."""
+    ids = torch.cat([query, response], 1)  # (B, Q+T)
+    mask = torch.cat([query_mask, response_mask], 1)  # (B, Q+T)
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
+    keep = "logits_to_keep" in inspect.signature(lm.forward).parameters
+    return lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=hidden_states,
+              use_cache=False, **({"logits_to_keep": response.shape[1] + 1} if keep else {}))

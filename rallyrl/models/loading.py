@@ -1,0 +1,97 @@
+"""The one loader (``load_models``) and the checks of model and tokenizer folders, with clear errors.
+
+Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) response length, ``V`` vocab,
+``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from .base import Policy, Reference
+from .causal import CausalPolicy, CopyReference
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                    "spiece.model")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model or tokenizer folder is missing or unusable."""
+
+
+def max_positions(config: object) -> int | None:
+    """The longest sequence the model accepts, from its (text) config; None if it does not say."""
+    c = config.get_text_config()
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
+@dataclass
+class LoadedModels:
+    policy: CausalPolicy  # a Policy (nn.Module)
+    reference: Reference
+    tokenizer: Any
+
+
+def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    path = Path(cfg.tokenizer_path or cfg.path)
+    key = "model.tokenizer_path" if cfg.tokenizer_path else "model.path"
+    if not path.is_dir():
+        raise ModelLoadError(f"{key}: folder not found: {path}")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{key}: no tokenizer in {path} (none of {', '.join(_TOKENIZER_FILES)}); save one there with "
+            f"tokenizer.save_pretrained() or set model.tokenizer_path"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many kinds here; the message is what matters
+        raise ModelLoadError(
+            f"{key}: no usable tokenizer in {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"save one there with tokenizer.save_pretrained() or set model.tokenizer_path"
+        ) from None
+    if len(tok) <= 1:
+        raise ModelLoadError(f"{key}: the tokenizer in {path} has an empty vocabulary")
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ModelLoadError(f"{key}: the tokenizer in {path} has neither a pad nor an eos token")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # prompts are left-padded so every response starts at the same column
+    return tok
+
+
+def check_model_folder(cfg: ModelConfig) -> None:
+    """Cheap checks that run before anything heavy is loaded."""
+    if not cfg.path:
+        raise ConfigError("model.path is required (a local Hugging Face model folder)")
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model.path: folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model.path: {path} has no config.json (not a saved Hugging Face model)")
+
+
+def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedModels:
+    """The one loader: policy (with value head) and reference for ``model.arch``, and the tokenizer
+    (``tokenizer`` if already loaded). The trainer never names a model class."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)  # the folder was checked with the inputs
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=_DTYPES[cfg.dtype])
+    except Exception as e:
+        raise ModelLoadError(f"model.path: could not load a causal LM from {cfg.path}: {e}") from None
+    # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
+    # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
+    lm.eval()
+    reference = CopyReference(lm)
+    policy = CausalPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
+    return LoadedModels(policy=policy, reference=reference, tokenizer=tok)
