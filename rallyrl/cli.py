@@ -83,10 +83,9 @@ def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _train_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
     if args.nproc > 1 and not _under_launcher():
-        from .inputs import prepare_inputs
         from .launch import launch
 
-        prepare_inputs(cfg, args.nproc)  # every check a worker would make, before any worker exists
+        preflight(cfg, args.nproc)  # every check a worker would make, before any worker exists
         worker_args = ["rallyrl.cli", "train", args.config]
         for o in args.overrides:
             worker_args += ["--set", o]
@@ -96,6 +95,22 @@ def _train_main(args: argparse.Namespace) -> int:
     with _sigterm_as_interrupt():
         train(cfg)
     return 0
+
+
+def preflight(cfg: Any, nproc: int) -> Any:
+    """What ``check`` and the ``--nproc N`` launcher verify before anything starts: the run's inputs for
+    ``nproc`` processes (``prepare_inputs``: batch plan, prompt files, reward and metric imports, model
+    folder, tokenizer) and the checkpoint that ``train.resume`` names. Returns the ``Inputs``."""
+    from .inputs import prepare_inputs
+
+    inp = prepare_inputs(cfg, nproc)
+    if cfg.train.resume not in (None, "auto"):  # `auto` falls back to a fresh start: nothing to fail
+        from pathlib import Path
+
+        from .checkpoint import resolve_resume
+
+        resolve_resume(Path(cfg.train.run_dir), cfg.train.resume)
+    return inp
 
 
 def _under_launcher() -> bool:
@@ -132,7 +147,8 @@ def _check_parser(subparsers: Any) -> argparse.ArgumentParser:
         "check", help="check a config without training (a dry run) and print it resolved",
         description="A dry run of 'rallyrl train': reads the config, imports the reward and metric "
                     "functions, checks the model folder (without loading the weights), loads and "
-                    "tokenizes the prompts and works out the batch plan for N processes. It fails with "
+                    "tokenizes the prompts, works out the batch plan for N processes and finds the "
+                    "checkpoint train.resume names. It fails with "
                     "exactly the error 'train' would give; on success it prints the resolved config "
                     "and the plan.")
     _add_config_args(p)
@@ -142,10 +158,8 @@ def _check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _check_main(args: argparse.Namespace) -> int:
-    from .inputs import prepare_inputs
-
     cfg = load_config(args.config, args.overrides)
-    inp = prepare_inputs(cfg, args.nproc)
+    inp = preflight(cfg, args.nproc)
     plan = inp.plan
     longest = max(len(q) for q in inp.query_ids)
     lines = [
