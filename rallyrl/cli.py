@@ -85,7 +85,7 @@ def _train_main(args: argparse.Namespace) -> int:
     if args.nproc > 1 and not _under_launcher():
         from .launch import launch
 
-        preflight(cfg, args.nproc)  # every check a worker would make, before any worker exists
+        preflight(cfg, args.nproc, quiet=True)  # every check a worker makes, before any worker exists
         worker_args = ["rallyrl.cli", "train", args.config]
         for o in args.overrides:
             worker_args += ["--set", o]
@@ -97,19 +97,28 @@ def _train_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def preflight(cfg: Any, nproc: int) -> Any:
+def preflight(cfg: Any, nproc: int, quiet: bool = False) -> Any:
     """What ``check`` and the ``--nproc N`` launcher verify before anything starts: the run's inputs for
     ``nproc`` processes (``prepare_inputs``: batch plan, prompt files, reward and metric imports, model
-    folder, tokenizer) and the checkpoint that ``train.resume`` names. Returns the ``Inputs``."""
+    folder, tokenizer) and the checkpoint that ``train.resume`` names. Returns the ``Inputs``.
+
+    ``quiet``: the launcher's workers repeat the resume choice, so its warnings (a skipped invalid
+    checkpoint) are left to them instead of printed twice."""
     from .inputs import prepare_inputs
 
     inp = prepare_inputs(cfg, nproc)
     if cfg.train.resume not in (None, "auto"):  # `auto` falls back to a fresh start: nothing to fail
+        import contextlib
+        import io
+        import warnings
         from pathlib import Path
 
         from .checkpoint import resolve_resume
 
-        resolve_resume(Path(cfg.train.run_dir), cfg.train.resume)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO() if quiet else sys.stdout):
+            if quiet:
+                warnings.simplefilter("ignore")
+            resolve_resume(Path(cfg.train.run_dir), cfg.train.resume)
     return inp
 
 
@@ -228,8 +237,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 _FIXES = {
-    "CheckpointError": "set train.resume to latest, auto (start fresh when there is no checkpoint) or a "
-                       "checkpoint folder under train.run_dir/checkpoints/",
+    "CheckpointError": "drop train.resume to start fresh, set it to auto to resume only when there is a "
+                       "valid checkpoint, or name a checkpoint folder under train.run_dir/checkpoints/",
     "FileNotFoundError": "check the path; relative paths are read from the working directory",
     "PermissionError": "choose a path you can write to, or change its permissions",
 }

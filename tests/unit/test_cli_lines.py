@@ -62,8 +62,9 @@ def test_checkpoint_errors_are_user_errors_with_the_fix():
 
     code, line = describe(CheckpointError("train.resume=latest: no checkpoint in runs/x/checkpoints"), _user_errors())
     assert code == 2
-    assert line.startswith("rallyrl: error: train.resume=latest: no checkpoint in runs/x/checkpoints (set "
-                           "train.resume to latest, auto")
+    assert line == ("rallyrl: error: train.resume=latest: no checkpoint in runs/x/checkpoints (drop "
+                    "train.resume to start fresh, set it to auto to resume only when there is a valid checkpoint, "
+                    "or name a checkpoint folder under train.run_dir/checkpoints/)")
 
 
 def test_a_reward_error_shows_its_first_line_and_debug_adds_the_traceback(capsys, monkeypatch):
