@@ -1,82 +1,304 @@
-"""``rallyrl train | check``: the command line.
+"""``rallyrl``: the command line (``rallyrl train | check ...``).
 
-``rallyrl train CONFIG --nproc N`` starts N processes through PyTorch's own launcher
-(see ``rallyrl.dist.launch_command``); the same command also works when it
-is itself started by ``torchrun`` or ``accelerate launch`` (it then runs as one of their workers).
+A subcommand is any object (usually a module) with ``add_parser(subparsers) -> ArgumentParser`` and
+``main(args) -> int``; it is registered by adding it to ``_commands()``. The subcommand is chosen before
+anything else happens, so ``rallyrl --help`` and ``rallyrl <subcommand> --help`` need no config.
+
+Every failure ends in one line on stderr and an exit code (``docs/troubleshooting.md``):
+
+- a user error (config, data, model folder, import path, checkpoint choice, a missing or non-UTF-8 file)
+  exits 2 as ``rallyrl: error: ...``;
+- a runtime failure exits 1 as ``rallyrl: <ErrorType>: ...`` (a ``RewardError`` names the rank);
+- Ctrl-C exits 130 (SIGTERM 143) without a traceback; the trainer says where it stopped.
+
+``RALLYRL_DEBUG=1`` adds the tracebacks. ``rallyrl train CONFIG --nproc N`` checks the whole config for
+N processes in this process, then starts N workers (``rallyrl.launch``); the same ``rallyrl.cli train``
+also runs as a worker of ``torchrun`` or ``accelerate launch``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
+import signal
 import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, NoReturn
 
 from .config import ConfigError, load_config
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from .data import DataError
-    from .models import ModelLoadError
-    from .reward.loading import ImportPathError
+DEBUG_ENV = "RALLYRL_DEBUG"
 
-    return (ConfigError, DataError, ModelLoadError, ImportPathError)
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors as the same single line as every other user error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"rallyrl: error: {message} (see '{self.prog} --help')\n")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, delivered like Ctrl-C so the trainer stops the same way; exit code 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# --------------------------------------------------------------------------------------------------
+# train
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the run's YAML config file (every key: docs/config.md)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change one config key, e.g. --set ppo.lr=3e-4 (the value is read as YAML); "
+                        "repeat it for several keys")
+
+
+def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train", help="train a model with PPO, as a YAML config describes",
+        description="Train a model with PPO, as the YAML config describes. The whole config is checked "
+                    "before anything starts; Ctrl-C stops every process and says how to resume.")
+    _add_config_args(p)
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                   help="how many processes to start on this machine (default 1)")
+    return p
+
+
+def _train_main(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
+    if args.nproc > 1 and not _under_launcher():
+        from .launch import launch
+
+        preflight(cfg, args.nproc, quiet=True)  # every check a worker makes, before any worker exists
+        worker_args = ["rallyrl.cli", "train", args.config]
+        for o in args.overrides:
+            worker_args += ["--set", o]
+        return launch(worker_args, args.nproc)
+    from .trainer import train
+
+    with _sigterm_as_interrupt():
+        train(cfg)
+    from .dist import shutdown
+
+    shutdown()  # leave the process group together with the other ranks (see dist.shutdown)
+    return 0
+
+
+def preflight(cfg: Any, nproc: int, quiet: bool = False) -> Any:
+    """What ``check`` and the ``--nproc N`` launcher verify before anything starts: the run's inputs for
+    ``nproc`` processes (``prepare_inputs``: batch plan, prompt files, reward and metric imports, model
+    folder, tokenizer) and the checkpoint that ``train.resume`` names. Returns the ``Inputs``.
+
+    ``quiet``: the launcher's workers repeat the resume choice, so its warnings (a skipped invalid
+    checkpoint) are left to them instead of printed twice."""
+    from pathlib import Path
+
+    from .inputs import eval_steps, prepare_inputs
+    from .tracking import RunDir
+
+    inp = prepare_inputs(cfg, nproc)
+    # may a run start in train.run_dir (or resume it, with this config)? read-only, like the rest
+    RunDir.check_start(Path(cfg.train.run_dir), cfg, eval_steps(cfg) if inp.eval_records else [])
+    if cfg.train.resume not in (None, "auto"):  # `auto` falls back to a fresh start: nothing to fail
+        import contextlib
+        import io
+        import warnings
+
+        from .checkpoint import resolve_resume
+
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO() if quiet else sys.stdout):
+            if quiet:
+                warnings.simplefilter("ignore")
+            resolve_resume(Path(cfg.train.run_dir), cfg.train.resume)
+    return inp
 
 
 def _under_launcher() -> bool:
     return "LOCAL_RANK" in os.environ or "RANK" in os.environ
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="rallyrl", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="run PPO from a YAML config")
-    t.add_argument("config", help="YAML config file")
-    t.add_argument("--nproc", type=int, default=1, help="processes on this machine (default 1)")
-    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (value parsed as YAML); repeatable")
-    c = sub.add_parser("check", help="validate a config and print it resolved")
-    c.add_argument("config")
-    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    args = p.parse_args(argv)
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """A job scheduler or container stop sends SIGTERM: stop as on Ctrl-C (the trainer's interrupt path
+    runs), instead of dying on the spot."""
+    def raise_interrupted(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
 
     try:
-        cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
-    except _user_errors() as e:
-        print(f"rallyrl: error: {e}", file=sys.stderr)
-        return 2
-    if args.cmd == "check":
-        print(cfg.to_yaml(), end="")
-        return 0
-
-    if args.nproc < 1:
-        print("rallyrl: error: --nproc must be >= 1", file=sys.stderr)
-        return 2
-    if args.nproc > 1 and not _under_launcher():
-        from .dist import launch_command
-
-        cmd = launch_command(args.nproc, ["rallyrl.cli", "train", args.config])
-        for o in args.overrides:
-            cmd += ["--set", o]
-        env = dict(os.environ)
-        # Split the cores between the processes (torchrun would set 1 and print a banner about it).
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-        return subprocess.call(cmd, env=env)
-
-    from .reward.step import RewardError
-    from .trainer import train
-
+        previous = signal.signal(signal.SIGTERM, raise_interrupted)
+    except ValueError:  # not the main thread (train() called from a thread): leave signals alone
+        yield
+        return
     try:
-        train(cfg)
-        from .dist import shutdown
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
-        shutdown()
-    except _user_errors() as e:
-        print(f"rallyrl: error: {e}", file=sys.stderr)
-        return 2
-    except RewardError as e:
-        print(f"rallyrl: RewardError: {e}", file=sys.stderr)
-        return 1
+
+TRAIN = SimpleNamespace(add_parser=_train_parser, main=_train_main)
+
+
+# --------------------------------------------------------------------------------------------------
+# check
+
+
+def _check_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "check", help="check a config without training (a dry run) and print it resolved",
+        description="A dry run of 'rallyrl train': reads the config, imports the reward and metric "
+                    "functions, checks the model folder (without loading the weights), loads and "
+                    "tokenizes the prompts, works out the batch plan for N processes and finds the "
+                    "checkpoint train.resume names. It fails with "
+                    "exactly the error 'train' would give; on success it prints the resolved config "
+                    "and the plan.")
+    _add_config_args(p)
+    p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
+                   help="check the batch plan for this many processes (default 1)")
+    return p
+
+
+def _check_main(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    inp = preflight(cfg, args.nproc)
+    plan = inp.plan
+    longest = max(len(q) for q in inp.query_ids)
+    lines = [
+        f"ok: this config trains on {plan.world_size} process(es)",
+        f"batch plan: {plan.num_rollouts} rollouts per iteration, "
+        f"{'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s) of up to "
+        f"{plan.chunk_size} per rank; {plan.epochs} epoch(s) x {plan.num_minibatches} minibatch(es) = "
+        f"{plan.optimizer_steps_per_iteration} optimizer steps per iteration, "
+        f"{plan.optimizer_steps_per_iteration * cfg.train.iterations} in {cfg.train.iterations} iterations",
+        f"prompts: {len(inp.records)} training (longest {longest} tokens), {len(inp.eval_records)} eval",
+        f"reward: {', '.join(f'{f.name} (weight {f.weight:g})' for f in inp.reward_fns)}, placement "
+        f"'{cfg.reward.placement}'; eval metric_fn: {'yes' if inp.metric_fn else 'none'}",
+        f"model: {cfg.model.path} (config and weight files present; weights not loaded), "
+        f"tokenizer vocabulary {len(inp.tokenizer)}",
+    ]
+    # The resolved config is valid YAML; the report follows as YAML comments, so the output still parses.
+    print(cfg.to_yaml(), end="")
+    print("\n".join(f"# {line}" for line in lines))
     return 0
+
+
+CHECK = SimpleNamespace(add_parser=_check_parser, main=_check_main)
+
+
+def _commands() -> list[Any]:
+    """Every subcommand; each has ``add_parser(subparsers)`` and ``main(args)``."""
+    return [TRAIN, CHECK]
+
+
+# --------------------------------------------------------------------------------------------------
+# entry point and the one line per failure
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="rallyrl",
+        description="PPO fine-tuning of Hugging Face language models across many processes, with one "
+                    "central reward step.",
+        epilog="Run 'rallyrl <command> --help' for a command's options. Set RALLYRL_DEBUG=1 to see "
+               "tracebacks with the error messages. Errors and what to do: docs/troubleshooting.md.",
+    )
+    p.add_argument("--version", action="version", version=f"rallyrl {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="<command>", required=True, parser_class=_Parser)
+    for cmd in _commands():
+        cmd.add_parser(sub).set_defaults(_main=cmd.main)
+    return p
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Error types that mean "the input needs fixing": exit 2. Imported lazily: ``--help`` stays cheap."""
+    from .data import DataError
+    from .models import ModelLoadError
+    from .reward.loading import ImportPathError
+
+    errors: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelLoadError, ImportPathError,
+                                               FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                                               PermissionError)
+    ckpt = sys.modules.get("rallyrl.checkpoint")  # a CheckpointError can only exist once it is imported
+    return errors + ((ckpt.CheckpointError,) if ckpt else ())
+
+
+_FIXES = {
+    "CheckpointError": "drop train.resume to start fresh, set it to auto to resume only when there is a "
+                       "valid checkpoint, or name a checkpoint folder under train.run_dir/checkpoints/",
+    "FileNotFoundError": "check the path; relative paths are read from the working directory",
+    "PermissionError": "choose a path you can write to, or change its permissions",
+}
+
+
+def describe(e: BaseException, user_errors: tuple[type[BaseException], ...]) -> tuple[int, str]:
+    """The exit code and the one message for an exception (user errors: exit 2; others: exit 1)."""
+    if isinstance(e, user_errors):
+        text = str(e).strip() or type(e).__name__
+        if isinstance(e, OSError) and e.filename is not None:
+            text = f"{e.strerror or type(e).__name__}: {e.filename}"
+        fix = _FIXES.get(type(e).__name__)
+        if fix and fix not in text:
+            text += f" ({fix})"
+        return 2, f"rallyrl: error: {text}"
+    # A runtime failure: its first line (what failed, where, why). Tracebacks carried in the message
+    # (a RewardError holds the reward function's; gloo appends C++ frames) are for RALLYRL_DEBUG=1.
+    lines = str(e).strip().splitlines()
+    return 1, f"rallyrl: {type(e).__name__}: {lines[0] if lines else '(no message)'}"
+
+
+def _report(code: int, line: str, e: BaseException) -> None:
+    """Print the line, or, in a worker of ``rallyrl train --nproc N``, hand it to the launcher, which
+    prints the first failure of all ranks once."""
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        extra = getattr(e, "traceback_text", None)  # RewardError: the reward function's own traceback
+        if extra:
+            print(f"original traceback:\n{extra}", file=sys.stderr, end="")
+    from .launch import REPORT_DIR_ENV, write_report
+
+    if os.environ.get(REPORT_DIR_ENV) and _under_launcher():
+        try:
+            write_report(os.environ[REPORT_DIR_ENV], int(os.environ.get("RANK", "0")), code, line)
+            return
+        except OSError:
+            pass  # the launcher's folder is gone: say it here instead
+    print(line, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error (already printed as one line)
+        return int(e.code or 0)
+    try:
+        return int(args._main(args))
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM): the trainer has said where it stopped
+        return 128 + getattr(e, "signum", signal.SIGINT)
+    except Exception as e:
+        code, line = describe(e, _user_errors())
+        _report(code, line, e)
+        return code
 
 
 if __name__ == "__main__":

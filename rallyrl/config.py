@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -27,6 +28,11 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or inconsistent."""
 
 
+# The dtypes a model can be loaded in: the one list (`model.dtype` and reward models read it). Names are
+# torch attribute names, so `getattr(torch, name)` gives the dtype without this module importing torch.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def _f(default: Any, doc: str, **kw: Any) -> Any:
     """A dataclass field with documentation attached (mutable defaults are copied per instance)."""
     if isinstance(default, (list, dict)):
@@ -38,7 +44,7 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 class ModelConfig:
     path: str = _f("", "Local Hugging Face model folder (config + weights + tokenizer) of the policy.")
     tokenizer_path: str | None = _f(None, "Tokenizer folder, if it is not `model.path`.")
-    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+    dtype: Literal[DTYPES] = _f(  # type: ignore[valid-type]
         "float32", "Dtype the policy, reference and value head are loaded in."
     )
     value_head: Literal["linear", "mlp"] = _f(
@@ -76,7 +82,18 @@ class TrainConfig:
         False, "Start a fresh run in a `run_dir` that holds an earlier run, deleting its outputs."
     )
     resume: str | None = _f(
-        None, "Resume from `latest` (newest valid checkpoint in `run_dir/checkpoints/`) or a checkpoint folder."
+        None,
+        "Resume from `latest` (newest valid checkpoint in `run_dir/checkpoints/`; an error if there is none), "
+        "`auto` (the newest valid checkpoint if there is one, else a fresh start: one command for the first "
+        "start and every restart of a pre-emptible job) or a checkpoint folder.",
+    )
+    allow_config_change: bool = _f(
+        False,
+        "On resume, accept a config that differs from the run's recorded one in settings that alter "
+        "training (optimizer, PPO, rollout, generation, seed, model, reward, data). Without it such a "
+        "change is refused with a `key: old -> new` list; with it every change takes effect from the "
+        "resumed iteration and is appended to the run's history. `train.iterations`, logging and "
+        "checkpoint intervals never need it.",
     )
 
 
@@ -133,8 +150,10 @@ class PPOConfig:
     )
     reward_clip: float | None = _f(None, "Clip scores to [-x, x] after scaling (null = off).")
     max_nonfinite_skips: int = _f(
-        0, "Optimizer steps with a NaN/inf loss or gradient norm that may be skipped (not applied, counted in "
-        "`policy/nonfinite_skips`) before the run stops; 0 = stop at the first one."
+        0,
+        "Optimizer steps whose loss or gradient norm is NaN/inf that may be skipped (not applied, counted "
+        "in `policy/nonfinite_skips`) before the run stops; 0 = the first one stops every rank with an error naming the "
+        "iteration, the metric and the newest checkpoint.",
     )
 
 
@@ -305,7 +324,21 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
             extra = f" (did you mean {(prefix + '.' if prefix else '') + hint[0]!r}?)" if hint else ""
             raise ConfigError(f"unknown config key {key!r}{extra}")
         kwargs[k] = _coerce(v, hints[k], key)
+        f = next(f for f in dataclasses.fields(cls) if f.name == k)
+        _check_finite(kwargs[k], key, allow_inf=f.metadata.get("allow_inf", False))
     return cls(**kwargs)
+
+
+def _check_finite(value: Any, key: str, allow_inf: bool) -> None:
+    """NaN passes every `> 0` check and inf every `>= 0` one: refuse both where a number is read, unless
+    the field documents infinity (metadata ``allow_inf``). Free-form mappings (``kwargs``) are the
+    user's own and not checked."""
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            raise ConfigError(f"{key}: must be a finite number, got {value}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]", allow_inf)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -347,7 +380,7 @@ def load_config(source: Config | dict | str | Path | None = None, overrides: lis
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(read_text(path, "config file")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -358,6 +391,18 @@ def load_config(source: Config | dict | str | Path | None = None, overrides: lis
     cfg = _build(Config, data, "")
     validate(cfg)
     return cfg
+
+
+def read_text(path: str | Path, what: str, error: type[Exception] = ConfigError) -> str:
+    """A user's text file, read as UTF-8 (a byte-order mark is accepted and dropped). Bad bytes are an
+    ``error`` (default ``ConfigError``) naming the file, the byte offset and the fix."""
+    try:
+        return Path(path).read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise error(
+            f"{what} {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            f"save it as UTF-8"
+        ) from None
 
 
 def _to_plain(data: Any) -> Any:
@@ -496,6 +541,65 @@ def make_batch_plan(cfg: Config, world_size: int) -> BatchPlan:
         num_minibatches=cfg.ppo.num_minibatches,
         epochs=cfg.ppo.epochs,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# What changed between two configs (resume compares the run's recorded config with the new one)
+
+# Keys whose change never alters what is trained: how long the run goes, what is logged, how often it is
+# saved, resources and control flags. Everything else (optimizer, PPO, rollout, generation, seed, model,
+# reward, data, eval) needs `train.allow_config_change`; so does any key not listed here, new ones included.
+FREE_TO_CHANGE = frozenset({
+    "train.iterations", "train.run_dir", "train.log_rollouts", "train.tensorboard", "train.progress",
+    "train.save_final", "train.num_threads", "train.overwrite", "train.resume", "train.allow_config_change",
+    "checkpoint.interval", "checkpoint.keep_last", "dist.timeout_s",
+})
+
+_ABSENT = "<absent>"
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str  # dotted key, e.g. "ppo.lr"
+    old: Any  # the recorded value (``"<absent>"`` if the old config lacks the key)
+    new: Any
+    needs_permission: bool  # True: it alters training (see FREE_TO_CHANGE)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings -> ``{dotted key: leaf}``; lists (prompts, reward.fns, stop sequences) are leaves."""
+    if not isinstance(d, dict) or (prefix and not d):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        # free-form mappings (reward kwargs) compare as one value: their keys are the user's, not ours
+        out.update({key: v} if k == "kwargs" else _flatten(v, key))
+    return out
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """Every dotted key whose value differs between two config dicts (``Config.to_dict()`` or a loaded
+    ``config.yaml``), in the order of ``new`` then keys only ``old`` has. Ints and equal floats compare
+    equal (``1`` == ``1.0``), so a YAML round trip is no change."""
+    a, b = _flatten(old), _flatten(new)
+    out = []
+    for key in [*b, *(k for k in a if k not in b)]:
+        va, vb = a.get(key, _ABSENT), b.get(key, _ABSENT)
+        if va != vb:
+            out.append(Change(key, va, vb, key not in FREE_TO_CHANGE))
+    return out
+
+
+def _short(v: Any, width: int = 60) -> str:
+    s = "null" if v is None else (v if v == _ABSENT else yaml.safe_dump(v, default_flow_style=True, width=10**6)
+                                  .strip().removesuffix("...").strip())
+    return s if len(s) <= width else s[: width - 3] + "..."
+
+
+def format_changes(changes: list[Change], indent: str = "  ") -> str:
+    """One ``key: old -> new`` line per change (long values shortened)."""
+    return "\n".join(f"{indent}{c.key}: {_short(c.old)} -> {_short(c.new)}" for c in changes)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .config import read_text
+
 
 class DataError(ValueError):
     """Prompts could not be loaded or are malformed."""
@@ -25,7 +27,7 @@ def load_prompts(source: str | Path | list[Any], what: str = "data.prompts") -> 
             raise DataError(f"{what}: file not found: {path}")
         if path.suffix == ".jsonl":
             records = []
-            for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            for lineno, line in enumerate(read_text(path, what + ":", DataError).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -34,7 +36,8 @@ def load_prompts(source: str | Path | list[Any], what: str = "data.prompts") -> 
                     raise DataError(f"{what}: {path}:{lineno} is not valid JSON: {e}") from None
                 records.append(_record(rec, f"{path}:{lineno}", what))
         elif path.suffix == ".txt":
-            records = [{"prompt": line} for line in path.read_text().splitlines() if line.strip()]
+            lines = read_text(path, what + ":", DataError).splitlines()
+            records = [{"prompt": line} for line in lines if line.strip()]
         else:
             raise DataError(f"{what}: {path} must be a .jsonl or .txt file")
     elif isinstance(source, list):
@@ -54,15 +57,6 @@ def _record(rec: Any, where: str, what: str) -> dict[str, Any]:
             raise DataError(f"{what}: {where} has no string 'prompt' field")
         return dict(rec)
     raise DataError(f"{what}: {where} must be a string or an object with a 'prompt', got {type(rec).__name__}")
-
-
-def metadata_columns(records: list[dict[str, Any]]) -> list[str]:
-    cols: dict[str, None] = {}
-    for r in records:
-        for k in r:
-            if k != "prompt":
-                cols[k] = None
-    return list(cols)
 
 
 class PromptSampler:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -23,8 +22,8 @@ T = TypeVar("T")
 
 
 class _LazyModule:
-    """Imported on first use: the ``rallyrl train --nproc N`` launcher process only needs
-    ``launch_command`` and should not pay torch's import (seconds) before the workers start."""
+    """Imported on first use: modules that only name ``dist`` (the CLI, the launcher's checks) do not pay
+    torch's import (seconds) until a collective is actually used."""
 
     def __init__(self, name: str) -> None:
         self._name, self._module = name, None
@@ -83,13 +82,6 @@ def init_accelerator(timeout_s: float) -> torch.device:
     kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))
     _accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[kwargs])
     return _accelerator.device
-
-
-def launch_command(nproc: int, module_args: list[str]) -> list[str]:
-    """The command that starts ``python -m <module_args>`` on ``nproc`` local processes with PyTorch's
-    own launcher; ``--standalone`` picks a free rendezvous port, so parallel runs don't collide."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", *module_args]
 
 
 # --- data parallelism (DDP through accelerate): the gradient all-reduce happens in backward() -------

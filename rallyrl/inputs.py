@@ -105,6 +105,12 @@ def prepare_inputs(
     )
 
 
+def eval_steps(cfg: Config) -> list[int]:
+    """The steps at which a run evaluates (0 = before the first iteration)."""
+    n, k = cfg.train.iterations, cfg.eval.interval
+    return sorted({0, n} | ({s for s in range(k, n + 1, k)} if k else set()))
+
+
 def tokenize_prompts(records: list[dict[str, Any]], tokenizer: Any, max_positions: int | None,
                      max_new_tokens: int, what: str) -> list[list[int]]:
     ids = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"] for r in records]

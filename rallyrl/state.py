@@ -61,6 +61,16 @@ class Learner:
     def load_state_dict(self, scheduler_state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **scheduler_state})
 
+    def apply(self, ppo: PPOConfig) -> None:
+        """Make the optimizer use ``ppo``'s settings after a checkpoint restored the old ones: the base lr
+        of the schedule (at its current position), eps and weight decay. A no-op when nothing changed:
+        ``base_lr * multiplier(step)`` is exactly what the scheduler itself computes."""
+        self.scheduler.base_lrs = [ppo.lr for _ in self.optimizer.param_groups]
+        factor = self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        for g in self.optimizer.param_groups:
+            g.update(initial_lr=ppo.lr, lr=ppo.lr * factor, eps=ppo.adam_eps, weight_decay=ppo.weight_decay)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
     def scheduler_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
 

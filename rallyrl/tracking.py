@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from . import dist
-from .config import Config, ConfigError, TrainConfig
+from .config import Change, Config, ConfigError, TrainConfig, config_changes, format_changes
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class RunDir:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.resuming = False  # decided by check_start
+        self.changes: list[Change] = []  # config changes against the recorded run (a resume)
 
     # --- what is there ---------------------------------------------------------------------------
     def _manifest(self) -> dict[str, list[str]]:
@@ -90,16 +93,19 @@ class RunDir:
 
     # --- may a run start here? (every rank, before anything heavy) -------------------------------
     @staticmethod
-    def check_start(path: Path, train: TrainConfig, eval_steps: list[int]) -> "RunDir":
+    def check_start(path: Path, cfg: Config, eval_steps: list[int]) -> "RunDir":
         """The run directory, once it is decided whether this is a fresh start or a resume, with what
-        would mix two runs or replace a user's file refused (with the fix)."""
+        would mix two runs, replace a user's file or silently change a resumed run refused (with the fix).
+        Read-only: every rank (and the launcher, before any worker) may call it."""
         run_dir = RunDir(path)
-        run_dir._check_start(train, eval_steps)
+        run_dir._check_start(cfg, eval_steps)
         return run_dir
 
-    def _check_start(self, train: TrainConfig, eval_steps: list[int]) -> None:
+    def _check_start(self, cfg: Config, eval_steps: list[int]) -> None:
+        train = cfg.train
         self.resuming = train.resume not in (None, "auto") or (train.resume == "auto" and self.newest_checkpoint() is not None)
         if self.resuming:
+            self._check_config_change(cfg)
             return
         if self.holds_run() and not train.overwrite:
             raise RunDirError(
@@ -117,13 +123,46 @@ class RunDir:
                 f"train.run_dir {self.path} holds {p}, which rallyrl did not write and would replace; move it "
                 f"or choose another train.run_dir")
 
+    def recorded_config(self) -> dict[str, Any] | None:
+        """The config the run has trained with so far: ``config.yaml`` as first written, plus every change
+        a resume recorded in ``config_history.jsonl``. None if the folder has no ``config.yaml``."""
+        path = self.path / "config.yaml"
+        if not path.is_file():
+            return None
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+        history = self.path / "config_history.jsonl"
+        if history.is_file():
+            for line in history.read_text(encoding="utf-8").splitlines():
+                for c in json.loads(line)["changes"] if line.strip() else []:
+                    *parents, leaf = c["key"].split(".")
+                    node = cfg
+                    for k in parents:
+                        node = node.setdefault(k, {})
+                    node[leaf] = c["new"]
+        return cfg
+
+    def _check_config_change(self, cfg: Config) -> None:
+        """Honest resume: a change to anything that alters training is refused, listed, unless allowed."""
+        recorded = self.recorded_config()
+        if recorded is None:
+            return
+        self.changes = config_changes(recorded, cfg.to_dict())
+        needs = [c for c in self.changes if c.needs_permission]
+        if needs and not cfg.train.allow_config_change:
+            raise RunDirError(
+                f"train.resume: the config differs from the one {self.path} was trained with, in settings "
+                f"that alter training:\n{format_changes(needs)}\nresume with the recorded values, or allow "
+                f"the change with --set train.allow_config_change=true (it then takes effect from the "
+                f"resumed iteration on, and is recorded in config_history.jsonl)")
+
     def _planned(self, eval_steps: list[int]) -> list[str]:
         return [n for n in OUTPUTS if n != "eval"] + [f"eval/step_{s}.jsonl" for s in eval_steps]
 
     # --- start writing (collective) --------------------------------------------------------------
-    def open(self, cfg: Config, resumed_from: Path | None) -> "RunWriter | None":
-        """Main rank: a fresh start removes rallyrl's own earlier outputs and writes ``config.yaml``;
-        returns the writer there (None elsewhere). Every rank waits here for the folder to be ready."""
+    def open(self, cfg: Config, resumed_from: Path | None, iteration: int) -> "RunWriter | None":
+        """Main rank: a fresh start removes rallyrl's own earlier outputs and writes ``config.yaml``; a
+        resume leaves ``config.yaml`` as first written and appends what changed, and at which iteration,
+        to ``config_history.jsonl``. Returns the writer there (None elsewhere). Every rank waits here."""
         writer = None
         if dist.is_main():
             self.path.mkdir(parents=True, exist_ok=True)
@@ -136,6 +175,13 @@ class RunDir:
                 for name, is_dir in OUTPUTS.items():
                     if (self.path / name).exists():
                         self.record(name, is_dir or (self.path / name).is_dir())
+                if not (self.path / "config.yaml").exists():
+                    self.write_file("config.yaml", cfg.to_yaml())
+                elif self.changes:
+                    row = {"iteration": iteration, "checkpoint": str(resumed_from),
+                           "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in self.changes]}
+                    with open(self.claim("config_history.jsonl"), "a", encoding="utf-8") as f:
+                        f.write(json.dumps(row) + "\n")
             writer = RunWriter(self, cfg.train.tensorboard)
         dist.barrier()
         return writer

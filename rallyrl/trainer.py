@@ -29,7 +29,7 @@ from . import dist, ops
 from .config import Config, GenerationConfig, PPOConfig, load_config
 from .errors import NonFiniteError
 from .evaluation import evaluate
-from .inputs import Inputs, MetricFn, PromptSet, prepare_inputs
+from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
 from .metrics import iteration_metrics
 from .models import LoadedModels, load_models
 from .reward.step import RewardStep, Samples, StepStats
@@ -197,11 +197,11 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
-    run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg.train, sorted(evals))  # before anything heavy
+    run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s)
     models, learner, state, reward_step = _build(cfg, inp, device)
     resumed_from = _resume(run_dir, cfg, models, learner, state)
-    log = RunLog(run_dir.open(cfg, resumed_from), cfg, state.iteration, TrainResult(run_dir.path))
+    log = RunLog(run_dir.open(cfg, resumed_from, state.iteration), cfg, state.iteration, TrainResult(run_dir.path))
     log.start(plan := inp.plan, cfg, resumed_from, state.iteration)
 
     def run_eval(step: int) -> dict[str, float]:
@@ -252,12 +252,6 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
 # helpers of the recipe
 
 
-def eval_steps(cfg: Config) -> list[int]:
-    """The steps at which a run evaluates (0 = before the first iteration)."""
-    n, k = cfg.train.iterations, cfg.eval.interval
-    return sorted({0, n} | ({s for s in range(k, n + 1, k)} if k else set()))
-
-
 def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels, Learner, TrainState, RewardStep]:
     """Models, optimizer + schedule, the fresh train state (seeded: see ``rallyrl.seeding``) and the
     central reward step."""
@@ -284,6 +278,12 @@ def _resume(run_dir: RunDir, cfg: Config, models: LoadedModels, learner: Learner
     saved = ckpt.load_checkpoint(path, models.policy, learner.optimizer, state.shuffle_gen)
     state.load_state_dict(saved)
     learner.load_state_dict(saved["scheduler"])
+    # The config's optimizer settings win over the checkpoint's (identical unless a change was allowed,
+    # in which case the new lr really takes effect; the schedule's position carries over).
+    learner.apply(cfg.ppo)
+    if any(c.key == "train.seed" for c in run_dir.changes):  # an allowed seed change: new streams from here
+        seed_everything(cfg.train.seed, dist.rank())
+        state.shuffle_gen.manual_seed(stream_seed(cfg.train.seed, "minibatch", dist.rank()))
     run_dir.truncate_logs(state.iteration)
     return path
 

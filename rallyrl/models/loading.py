@@ -19,7 +19,6 @@ from .causal import CausalPolicy, CopyReference
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                     "spiece.model")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(ValueError):
@@ -54,6 +53,10 @@ def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many kinds here; the message is what matters
+        if not cfg.tokenizer_path:
+            # AutoTokenizer reads the model's config.json too: a broken one is a model-folder problem
+            # and is reported as such, not as "no usable tokenizer".
+            check_model_folder(cfg)
         raise ModelLoadError(
             f"{key}: no usable tokenizer in {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
             f"save one there with tokenizer.save_pretrained() or set model.tokenizer_path"
@@ -69,14 +72,39 @@ def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
 
 
 def check_model_folder(cfg: ModelConfig) -> None:
-    """Cheap checks that run before anything heavy is loaded."""
+    """Cheap checks that run before anything heavy is loaded: the folder, a readable ``config.json`` that
+    transformers understands, and weight files (their presence only; nothing is loaded)."""
+    import json
+
+    from transformers import AutoConfig
+
+    weight_patterns = ("*.safetensors", "pytorch_model*.bin", "*.gguf")
     if not cfg.path:
         raise ConfigError("model.path is required (a local Hugging Face model folder)")
     path = Path(cfg.path)
     if not path.is_dir():
         raise ModelLoadError(f"model.path: folder not found: {path}")
-    if not (path / "config.json").is_file():
+    config_json = path / "config.json"
+    if not config_json.is_file():
         raise ModelLoadError(f"model.path: {path} has no config.json (not a saved Hugging Face model)")
+    try:
+        json.loads(config_json.read_text(encoding="utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(
+            f"model.path: {config_json} is not valid JSON ({e}); re-save the model with save_pretrained()"
+        ) from None
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # unknown model_type, missing fields...: a model-folder problem
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelLoadError(
+            f"model.path: {config_json} is not a usable model config ({type(e).__name__}: {first})"
+        ) from None
+    if not any(any(path.glob(p)) for p in weight_patterns):
+        raise ModelLoadError(
+            f"model.path: {path} has no weights (none of {', '.join(weight_patterns)}); save the model "
+            f"there with save_pretrained()"
+        )
 
 
 def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedModels:
@@ -86,7 +114,7 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedMod
 
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)  # the folder was checked with the inputs
     try:
-        lm = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=_DTYPES[cfg.dtype])
+        lm = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
     except Exception as e:
         raise ModelLoadError(f"model.path: could not load a causal LM from {cfg.path}: {e}") from None
     # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-_DTYPES = ("float32", "bfloat16", "float16")  # torch is imported when the model is loaded
+from ..config import DTYPES as _DTYPES  # the one dtype list; torch is imported when the model is loaded
 
 
 class HFClassifierError(ValueError):

@@ -1,9 +1,19 @@
-"""Resolve reward functions from import paths (``pkg.mod:attr`` or ``path/to/file.py:attr``)."""
+"""Resolve reward functions from import paths (``pkg.mod:attr`` or ``path/to/file.py:attr``).
+
+Resolution rule (the same in every process, with 1 or N processes, and under ``rallyrl``, ``python -m
+rallyrl.cli``, ``torchrun`` or ``accelerate launch``): ``pkg.mod:attr`` is imported the way ``python -m``
+imports, with the current working directory searched first, then the installed packages;
+``path/to/file.py:attr`` is a file path, relative to the current working directory, and the file's folder
+is put on ``sys.path`` so it can import its neighbours. (Before, the ``rallyrl`` console script did not
+search the working directory, so ``examples.randomwalks.task:reward_fn`` failed in one process from the
+repo root and worked with ``--nproc 2``, whose workers run ``python -m``.)
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +57,7 @@ def load_object(spec: str, what: str = "reward.fn") -> Any:
                 del sys.modules[name]
                 raise ImportPathError(f"{what}: importing {path} failed: {type(e).__name__}: {e}") from e
     else:
+        _search_working_directory()
         try:
             module = importlib.import_module(mod_part)
         except Exception as e:
@@ -57,6 +68,14 @@ def load_object(spec: str, what: str = "reward.fn") -> Any:
             raise ImportPathError(f"{what}: {mod_part!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def _search_working_directory() -> None:
+    """Put the working directory on ``sys.path`` (first, as ``python -m`` does) if it is not there yet."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
 
 
 def load_callable(spec: str, what: str = "reward.fn", kwargs: dict[str, Any] | None = None) -> Callable:

@@ -79,6 +79,8 @@ def test_dead_worker_ends_the_job_quickly_and_names_the_rank(tiny_model, tmp_pat
     assert elapsed < 90, elapsed  # far below the 300 s collective timeout: nobody waited for it
     assert "rank 1" in text or "rank: 1" in text, text[-3000:]
     assert "SIGKILL" in text or "Signals.SIGKILL" in text or "exitcode" in text, text[-3000:]
+    # one line from the launcher, naming the killed rank, not the rank that only noticed it was gone
+    assert "rallyrl: WorkerKilled: rank 1 was killed by SIGKILL" in text and "Traceback" not in text, text[-3000:]
 
 
 def test_stuck_worker_is_bounded_by_the_collective_timeout(tiny_model, tmp_path):
@@ -88,3 +90,6 @@ def test_stuck_worker_is_bounded_by_the_collective_timeout(tiny_model, tmp_path)
     assert elapsed < 90, elapsed  # the hung rank would sleep 600 s
     assert "rank 0" in text or "rank: 0" in text or "rank      : 0" in text, text[-3000:]
     assert "imeout" in text or "imed out" in text, text[-3000:]
+    # the waiting rank's one line, not a gloo traceback
+    errors = [ln for ln in text.splitlines() if ln.startswith("rallyrl: ") and "Error" in ln]
+    assert len(errors) == 1 and "Traceback" not in text, text[-3000:]

@@ -11,7 +11,8 @@ Runs (each a few seconds of training on a tiny GPT-2):
   (the built-in hf_classifier on a locally built classifier + a dense per-token fn), `main`, with
   evaluation; the classifier is loaded by rank 0 only.
 - F/G, 2 processes: the reward fn raises (`main`: on rank 0; `local`: on rank 1 only); with
-  dist.timeout_s=300 both ranks report the same RewardError and the run ends within seconds.
+  dist.timeout_s=300 both ranks raise the same RewardError, the launcher shows it once, naming the
+  failing rank, and the run ends within seconds.
 """
 
 from __future__ import annotations
@@ -219,24 +220,21 @@ def test_weighted_reward_functions_and_dense_rewards_end_to_end(classifier_run):
 
 @pytest.mark.parametrize("placement,failing_rank", [("main", 0), ("local", 1)])
 def test_a_failing_reward_fn_ends_every_rank_within_seconds(tiny_model, tmp_path, placement, failing_rank):
-    logs = tmp_path / "logs"
     cfg = base_config(tiny_model, tmp_path / "run", reward={
         "fn": "tests.helpers.rewards:make_failing", "placement": placement,
         "kwargs": {"on_rank": failing_rank, "message": "reward model exploded", "stamp_dir": str(tmp_path)}})
     cfg["dist"] = {"timeout_s": 300}  # a rank left waiting in a collective would hang for 5 minutes
     t0 = time.time()
-    # torch.distributed.run options via its PET_* variables: each rank's stderr in its own file
-    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, timeout=120,
-                         PET_LOG_DIR=str(logs), PET_REDIRECTS="3")
+    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, timeout=120)
     end = time.time()
     raised = json.loads((tmp_path / "raised.json").read_text())
     print(f"\n{placement}: run {end - t0:.1f} s, exit {end - raised['time']:.1f} s after the reward fn raised")
-    assert proc.returncode != 0
+    assert proc.returncode == 1
     assert end - t0 < 60 and end - raised["time"] < 30
-    stderr = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
-    assert sorted(stderr) == [0, 1]
-    expected = (f"rallyrl: RewardError: reward step failed on rank {failing_rank}: ValueError: reward model exploded "
-                f"(rank {failing_rank})\nTraceback (most recent call last)")
-    for rank, text in stderr.items():
-        assert expected in text, (rank, text[-3000:])
-        assert "in failing_reward" in text  # the original traceback, on both ranks
+    # Every rank raised the same RewardError; the launcher shows it once, naming the rank where the
+    # reward failed (not a healthy rank), without a traceback (RALLYRL_DEBUG=1 would add them).
+    expected = (f"rallyrl: RewardError: reward step failed on rank {failing_rank}: ValueError: reward model "
+                f"exploded (rank {failing_rank})")
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("rallyrl: ") and "Error" in ln]
+    assert errors == [expected], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -1,0 +1,191 @@
+"""The ``rallyrl train CONFIG --nproc N`` launcher: N local worker processes, one line per failure.
+
+Why not hand the job to ``torchrun``: its agent prints a traceback block of its own when a worker fails,
+names as root cause the rank whose error file it saw first (often a healthy rank that only noticed its
+peer was gone), and when the launching process alone gets SIGINT or SIGTERM (a job scheduler, a
+container stop) the workers kept running. This launcher keeps the job's life in one place:
+
+- each worker runs ``python -m rallyrl.cli ...`` with the environment ``torchrun`` would give it
+  (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so
+  ``accelerate`` forms the same process group (gloo on CPU, NCCL on GPU);
+- each worker is in its own session, so a terminal's Ctrl-C reaches the launcher only, and the launcher
+  forwards it (and SIGTERM) to every worker's process group exactly once; a second signal, or workers
+  still alive after ``STOP_TIMEOUT_S``, gets SIGKILL. The launcher returns only when no worker is left,
+  and a worker whose launcher dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``);
+- a failing worker does not print its error line: it writes it to a report file
+  (``rallyrl.cli._report``); the launcher prints the first failure of all ranks once, names its rank
+  and exits with that worker's code. A worker killed by a signal it was not sent (the OOM killer) is
+  the root cause whatever the others said after it. Healthy ranks get ``FAIL_GRACE_S`` to stop on their
+  own (the reward step's failure is collective), then SIGKILL.
+
+For several machines use ``torchrun`` or ``accelerate launch`` directly (README, "Several processes").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPORT_DIR_ENV = "RALLYRL_REPORT_DIR"
+STOP_TIMEOUT_S = 30.0  # after SIGINT/SIGTERM: how long workers get to stop before SIGKILL
+FAIL_GRACE_S = 10.0  # after the first failure: how long the other ranks get to stop on their own
+_POLL_S = 0.05
+
+
+def write_report(folder: str, rank: int, code: int, line: str) -> None:
+    """A worker's failure, for the launcher: written whole (rename) so a reader never sees half."""
+    path = Path(folder) / f"rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "code": code, "line": line, "time": time.time()}))
+    os.replace(tmp, path)
+
+
+def _read_reports(folder: Path) -> dict[int, dict]:
+    out = {}
+    for p in folder.glob("rank*.json"):
+        try:
+            r = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(r["rank"])] = r
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with(parent: int) -> None:
+    """In the child, before exec: get SIGTERM when the launcher dies (Linux), even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass  # not Linux: the signal forwarding still covers SIGINT/SIGTERM to the launcher
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(143)
+
+
+@dataclass
+class _Worker:
+    rank: int
+    proc: subprocess.Popen
+    exited_at: float | None = None
+    signalled: bool = False  # this launcher sent it a signal (its death by one is then no surprise)
+
+
+def _signal_group(w: _Worker, sig: int) -> None:
+    w.signalled = True
+    try:
+        os.killpg(w.proc.pid, sig)  # the worker and anything it started (its own session and group)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch(module_args: list[str], nproc: int) -> int:
+    """Run ``python -m <module_args>`` as ``nproc`` ranks of one job on this machine; return the exit
+    code (0, the first failing worker's code, or 128 + the signal that stopped the job)."""
+    report_dir = Path(tempfile.mkdtemp(prefix="rallyrl-launch-"))
+    base = dict(os.environ)
+    # Split the cores between the processes (the trainer reads it through torch's defaults).
+    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    base.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+                 "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                 REPORT_DIR_ENV: str(report_dir)})
+    stop: list[int] = []  # the signals received, in order
+    stop_at: list[float] = []
+    sent_kill = False  # the SIGKILL after STOP_TIMEOUT_S / FAIL_GRACE_S, sent once
+    workers: list[_Worker] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.append(signum)
+        stop_at.append(time.monotonic())
+        for w in workers:
+            if w.proc.poll() is None:
+                _signal_group(w, signum if len(stop) == 1 else signal.SIGKILL)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    me = os.getpid()
+    try:
+        for r in range(nproc):
+            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+            proc = subprocess.Popen([sys.executable, "-m", *module_args], env=env, start_new_session=True,
+                                    preexec_fn=lambda: _die_with(me))
+            workers.append(_Worker(r, proc))
+            if stop:  # a signal arrived while starting: the new worker gets it too
+                _signal_group(workers[-1], stop[0])
+        first_failure_at: float | None = None
+        while True:
+            now = time.monotonic()
+            for w in workers:
+                if w.exited_at is None and w.proc.poll() is not None:
+                    w.exited_at = time.time()
+                    if w.proc.returncode != 0 and first_failure_at is None:
+                        first_failure_at = now
+            alive = [w for w in workers if w.exited_at is None]
+            if not alive:
+                break
+            if first_failure_at is None and _read_reports(report_dir):
+                first_failure_at = now
+            overdue = ((stop and now - stop_at[0] > STOP_TIMEOUT_S)
+                       or (not stop and first_failure_at is not None and now - first_failure_at > FAIL_GRACE_S))
+            if overdue and not sent_kill:
+                sent_kill = True
+                for w in alive:
+                    _signal_group(w, signal.SIGKILL)
+            time.sleep(_POLL_S)
+        if stop:
+            return 128 + stop[0]
+        if all(w.proc.returncode == 0 for w in workers):
+            return 0
+        for w in workers:  # anything a failed worker started and left behind
+            try:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        code, line = _first_failure(workers, _read_reports(report_dir))
+        print(line, file=sys.stderr)
+        return code
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def _first_failure(workers: list[_Worker], reports: dict[int, dict]) -> tuple[int, str]:
+    """The failure to show: a worker killed by a signal nobody here sent it (the others only noticed
+    it was gone), else the earliest reported error, else the earliest worker that exited non-zero."""
+    dead = [w for w in workers if w.proc.returncode < 0 and not w.signalled and w.rank not in reports]
+    if dead:
+        w = min(dead, key=lambda w: w.exited_at or 0.0)
+        name = signal.Signals(-w.proc.returncode).name
+        return 128 - w.proc.returncode, (
+            f"rallyrl: WorkerKilled: rank {w.rank} was killed by {name} (exit code {128 - w.proc.returncode})"
+            f"; the other ranks stopped because of it (a SIGKILL nobody sent is often the out-of-memory "
+            f"killer: see dmesg)")
+    if reports:
+        r = min(reports.values(), key=lambda r: r["time"])
+        line = r["line"]
+        same_everywhere = len(reports) == len(workers) and len({x["line"] for x in reports.values()}) == 1
+        if not same_everywhere and f"rank {r['rank']}" not in line:
+            line += f" (on rank {r['rank']})"
+        return int(r["code"]), line
+    failed = [w for w in workers if w.proc.returncode > 0]
+    if failed:
+        w = min(failed, key=lambda w: w.exited_at or 0.0)
+        return w.proc.returncode, (f"rallyrl: WorkerFailed: rank {w.rank} exited with code "
+                                   f"{w.proc.returncode} without an error message")
+    w = next(w for w in workers if w.proc.returncode != 0)
+    return 1, f"rallyrl: WorkerFailed: rank {w.rank} stopped (exit code {w.proc.returncode})"
