@@ -8,7 +8,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean-venv
+.PHONY: demo test install clean-venv bench
+
+# `make bench` (QUICK=1: ~3-minute smoke version): its own environment, .venv-bench/ (trl 1.12.0 and
+# the benchmark models; benchmarks/setup.sh), so the project's .venv never sees TRL.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,3 +37,10 @@ test: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+$(BENCH_STAMP): benchmarks/setup.sh pyproject.toml
+	VENV=$(BENCH_VENV) bash benchmarks/setup.sh
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python benchmarks/bench.py $(if $(QUICK),--quick)
