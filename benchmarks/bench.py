@@ -62,7 +62,11 @@ def table(report: dict[str, Any]) -> str:
             f"{', '.join(f'{x:.3f}' for x in rl['final_score'])} | TRL {', '.join(f'{x:.3f}' for x in trl['final_score'])} | | |")
         prof = rl["profile"]
         parts = ", ".join(f"{k} {v['s']:.3f}s ({v['share']:.0%})" for k, v in prof["phases"].items())
-        add(f"| ppo_vs_trl.{row} | rallyrl iteration profile (median {prof['iteration_s']:.3f}s) | {parts} | | | |")
+        add(f"| ppo_vs_trl.{row} | rallyrl iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
+            f"{parts} | | | |")
+        add(f"| ppo_vs_trl.{row} | whole process: wall s / CPU s (start-up, loading, eval included; per repeat) | "
+            f"{', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(rl['process_s'], rl['cpu_s']))} | "
+            f"TRL {', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(trl['process_s'], trl['cpu_s']))} | | |")
     rp = report.get("reward_phase")
     if rp and "error" in rp:
         add(f"| reward_phase | (failed) | {rp['error'].splitlines()[0][:120]} | | | |")

@@ -16,8 +16,10 @@ Measured (each run a fresh ``python -m rallyrl.cli train CONFIG --nproc N``; 1 t
   ``time/reward`` (inside the reward function) + ``time/reward_gather`` (gathering samples and
   scattering rewards, including waiting for the slower rank to arrive).
 - (b) the same samples (read back from (a)'s ``rollouts.jsonl``, in global order) scored by one direct
-  ``hf_classifier`` call per iteration in one process, after a warm-up call that loads the model.
-- ``overhead_ratio`` = median (a) / median (b), over the iterations after the first.
+  ``hf_classifier`` call per iteration in one process (all iterations, twice over), after a warm-up
+  call that loads the model.
+- ``overhead_ratio`` = median (a) over the iterations after the first / median (b) over its calls
+  after the first.
 - (c) ``local`` placement on 2 processes (each rank scores its own half, each loads the model).
 - (d) the reward server (``reward.server: local``) without and with ``reward.overlap``, when
   ``rallyrl.reward.server`` exists in this checkout; otherwise reported as not available.
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (BenchError, ENV, first_key, loop_iteration_times, median_ratio,  # noqa: E402
+from benchmarks.common import (BenchError, ENV, loop_iteration_times, median_ratio,  # noqa: E402
                                read_metrics, read_rollouts, run_timed, spread, steady)
 
 CACHE = ROOT / ".cache" / "bench"
@@ -156,8 +158,12 @@ def run_rallyrl(cfg: dict[str, Any], world: int, out_dir: Path, name: str) -> di
     return res
 
 
+DIRECT_PASSES = 2  # (b) scores every iteration's samples this many times: more calls, less noise
+
+
 def direct_worker(run_dir: str, rm: str) -> dict[str, Any]:
-    """(b): one process, one ``hf_classifier`` call per iteration on that iteration's samples."""
+    """(b): one process, one ``hf_classifier`` call per iteration on that iteration's samples, over all
+    iterations ``DIRECT_PASSES`` times. The very first call (model load, first forward) is the warm-up."""
     import torch
 
     torch.set_num_threads(1)
@@ -168,14 +174,16 @@ def direct_worker(run_dir: str, rm: str) -> dict[str, Any]:
         by_step.setdefault(int(r["step"]), []).append(r)
     steps = sorted(by_step)
     fn = hf_classifier(rm, batch_size=GLOBAL_ROLLOUTS)
-    times = []
-    for s in steps:
-        rows = sorted(by_step[s], key=lambda r: r["index"])
-        prompts, outputs = [r["prompt"] for r in rows], [r["output"] for r in rows]
-        t0 = time.perf_counter()
-        fn([p + o for p, o in zip(prompts, outputs)], prompts, outputs)
-        times.append(time.perf_counter() - t0)
-    return {"steps": steps, "samples_per_call": [len(by_step[s]) for s in steps], "call_s": times}
+    times, order = [], []
+    for _ in range(DIRECT_PASSES):
+        for s in steps:
+            rows = sorted(by_step[s], key=lambda r: r["index"])  # the global order the reward host sees
+            prompts, outputs = [r["prompt"] for r in rows], [r["output"] for r in rows]
+            t0 = time.perf_counter()
+            fn([p + o for p, o in zip(prompts, outputs)], prompts, outputs)
+            times.append(time.perf_counter() - t0)
+            order.append(s)
+    return {"steps": order, "samples_per_call": [len(by_step[s]) for s in order], "call_s": times}
 
 
 def run_direct(run_dir: str, rm: Path, out_dir: Path) -> dict[str, Any]:
@@ -194,7 +202,7 @@ def server_available() -> bool:
 
 
 def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    iterations = 3 if quick else 6
+    iterations = 2 if quick else 6
     policy, rm = build_policy(), build_reward_model()
     rm_mib = model_bytes(rm) / 2**20
     runs = out_dir / "runs"
@@ -250,7 +258,7 @@ def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="3 iterations per run instead of 6")
+    ap.add_argument("--quick", action="store_true", help="2 iterations per run instead of 6")
     ap.add_argument("--out", default="runs/bench/reward_phase.json")
     ap.add_argument("--direct-worker", help=argparse.SUPPRESS)
     ap.add_argument("--rm", help=argparse.SUPPRESS)

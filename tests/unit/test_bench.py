@@ -154,7 +154,7 @@ def _report(ratio: float, overhead: float) -> dict:
     s = {"min": 0.1, "median": 0.2, "max": 0.3, "n": 3}
     prof = {"iteration_s": 1.0, "phases": {k: {"s": 0.2, "share": 0.2} for k in
                                            ("generate", "forward", "reward", "update", "other")}}
-    sysrow = {"episodes_per_s_median": 10.0, "final_score": [0.9], "profile": prof}
+    sysrow = {"episodes_per_s_median": 10.0, "final_score": [0.9], "profile": prof, "process_s": [30.0], "cpu_s": [20.0]}
     run = {"reward_step_s": s, "reward_fn_s": s, "reward_gather_s": s, "reward_calls_per_iteration": 1.0,
            "samples_per_call": 96.0, "iteration_s": s, "call_s_steady": s}
     return {
