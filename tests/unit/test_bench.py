@@ -1,0 +1,189 @@
+"""The benchmark tooling (benchmarks/): statistics, the iteration profile, the outside RSS monitor, the
+TRL reward adapter, the configs it writes and the report it renders. No benchmark is run here, and no
+timing is asserted (DESIGN.md rule 11)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from benchmarks import bench, common, ppo_vs_trl, reward_phase, smollm2_task, smollm2_vs_trl
+from rallyrl.config import ConfigError, load_config
+
+
+def test_steady_drops_warmup_and_needs_something_left():
+    assert common.steady([9.0, 1.0, 2.0], 1) == [1.0, 2.0]
+    with pytest.raises(common.BenchError, match="more than 2 warm-up"):
+        common.steady([9.0, 1.0], 2)
+    with pytest.raises(ValueError, match="warmup"):
+        common.steady([1.0], -1)
+
+
+def test_episodes_per_s_counts_only_steady_iterations():
+    # 3 steady iterations of 8 episodes in 1 + 2 + 1 = 4 s; the 10 s warm-up is ignored
+    assert common.episodes_per_s([10.0, 1.0, 2.0, 1.0], 8, 1) == pytest.approx(6.0)
+
+
+def test_spread_and_median_ratio():
+    assert common.spread([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0, "n": 3}
+    assert common.median_ratio([1.1, 1.3, 9.0], [1.0, 1.0, 0.5]) == pytest.approx(1.3)
+    with pytest.raises(common.BenchError):
+        common.spread([])
+
+
+def _row(it, gen, fwd, rew, gather, upd, ev=None):
+    r = {"time/iteration": it, "time/generate": gen, "time/forward": fwd, "time/reward": rew,
+         "time/reward_gather": gather, "time/update": upd}
+    if ev is not None:
+        r["time/eval"] = ev
+    return r
+
+
+def test_loop_iteration_times_subtract_eval():
+    assert common.loop_iteration_times([_row(2.0, 0, 0, 0, 0, 0), _row(3.0, 0, 0, 0, 0, 0, ev=0.5)]) == [2.0, 2.5]
+
+
+def test_profile_means_add_up_to_the_iteration():
+    rows = [
+        _row(50.0, 40, 1, 1, 1, 1),  # warm-up, ignored
+        _row(2.0, 0.4, 0.2, 0.1, 0.05, 1.0),
+        _row(2.5, 0.6, 0.2, 0.2, 0.05, 1.2, ev=0.5),  # 2.0 s without its eval
+        _row(3.5, 0.5, 0.5, 0.3, 0.10, 1.4),
+    ]
+    p = common.profile(rows, 1)
+    assert p["iteration_s"] == pytest.approx(2.5)  # mean of 2.0, 2.0, 3.5
+    ph = p["phases"]
+    assert ph["generate"]["s"] == pytest.approx(0.5)
+    assert ph["forward"]["s"] == pytest.approx(0.3)
+    assert ph["reward"]["s"] == pytest.approx(0.8 / 3)  # (0.15 + 0.25 + 0.40) / 3
+    assert ph["update"]["s"] == pytest.approx(1.2)
+    assert ph["other"]["s"] == pytest.approx(2.5 - (0.5 + 0.3 + 0.8 / 3 + 1.2))
+    assert ph["update"]["share"] == pytest.approx(1.2 / 2.5)
+    assert sum(v["s"] for v in ph.values()) == pytest.approx(p["iteration_s"])
+
+
+def test_interleaved_order_alternates():
+    assert ppo_vs_trl.interleaved(("a", "b"), 0) == ["a", "b"]
+    assert ppo_vs_trl.interleaved(("a", "b"), 1) == ["b", "a"]
+
+
+def test_peak_rss_monitor_sees_each_rank_from_outside(tmp_path):
+    """Two workers with RANK=0/1 under one parent: rank 0 touches 64 MiB more than rank 1."""
+    child = ("import os, time; n = int(os.environ['MIB']); b = bytearray(n << 20); "
+             "b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)")
+    parent = (
+        "import os, subprocess, sys\n"
+        f"c = {child!r}\n"
+        "ps = [subprocess.Popen([sys.executable, '-c', c], env={**os.environ, 'RANK': str(r), 'MIB': str(m)})\n"
+        "      for r, m in ((0, 80), (1, 16))]\n"
+        "sys.exit(max(p.wait() for p in ps))\n"
+    )
+    res = common.run_timed([sys.executable, "-c", parent], tmp_path / "log.txt", cwd=tmp_path, monitor=True)
+    peaks = res["peak_rss_mib"]
+    assert set(peaks) == {"0", "1"}
+    assert peaks["0"] - peaks["1"] > 50
+    assert peaks["1"] > 16
+
+
+def test_run_timed_reports_failure_with_log(tmp_path):
+    with pytest.raises(common.BenchError, match="(?s)exit code 3.*boom"):
+        common.run_timed([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], tmp_path / "l.txt",
+                         cwd=tmp_path)
+
+
+def test_text_reward_model_scores_what_trl_reads(tiny_model):
+    """TRL's get_reward path: mask = tokens != pad, backbone(input_ids, attention_mask), score(hidden[-1]),
+    read at the last response token. The adapter must put score(decoded real tokens) there."""
+    import torch
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts = ["the cat sat on the mat", "a dog", "good morning to you"]
+    ids = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, ids)) + 2
+    pad = tok.pad_token_id
+    qr = torch.tensor([row + [pad] * (width - len(row)) for row in ids])  # (B, L), right-padded responses
+    seen: list[list[str]] = []
+
+    def score(ts: list[str]) -> list[float]:
+        seen.append(ts)
+        return [float(len(t)) for t in ts]
+
+    rm = smollm2_task.make_text_reward_model(tok, score)
+    mask = qr != pad
+    out = getattr(rm, rm.base_model_prefix)(input_ids=torch.masked_fill(qr, ~mask, 0), attention_mask=mask,
+                                            return_dict=True, output_hidden_states=True, use_cache=False)
+    logits = rm.score(out.hidden_states[-1])  # (B, L, 1)
+    last = torch.tensor([len(r) - 1 for r in ids])
+    got = logits[torch.arange(len(texts)), last].squeeze(-1).tolist()
+    assert seen == [texts]
+    assert got == [float(len(t)) for t in texts]
+    assert rm.backbone.calls == 1 and rm.backbone.samples == 3
+
+
+def test_vader_reward_orders_sentiment():
+    good, bad, flat = smollm2_task.reward_fn(["I love this wonderful film", "I hate this awful film", "a film"],
+                                             ["", "", ""], ["", "", ""])
+    assert good > 0.5 and bad < -0.5 and flat == 0.0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("placement", ["main", "local"])
+def test_reward_phase_configs_are_valid_and_one_round(tmp_path, world, placement):
+    d = reward_phase.config(tmp_path / "p", tmp_path / "rm", tmp_path / "run", world, 3, placement=placement)
+    cfg = load_config(d)
+    assert cfg.reward.placement == placement
+    assert cfg.rollout.num_rollouts == reward_phase.GLOBAL_ROLLOUTS
+    assert cfg.rollout.chunk_size * world == cfg.rollout.num_rollouts  # one chunk round: one reward call
+    assert cfg.reward.kwargs["batch_size"] == cfg.rollout.num_rollouts
+
+
+def test_smollm2_config_matches_the_trl_settings(tmp_path):
+    cfg = load_config(smollm2_vs_trl.rallyrl_config(str(tmp_path), str(tmp_path / "run"), 4))
+    assert (cfg.rollout.num_rollouts, cfg.rollout.chunk_size) == (smollm2_vs_trl.EPISODES, smollm2_vs_trl.EPISODES)
+    assert (cfg.ppo.epochs, cfg.ppo.num_minibatches) == (smollm2_vs_trl.EPOCHS, smollm2_vs_trl.MINIBATCHES)
+    assert cfg.ppo.max_grad_norm is None and cfg.ppo.lr_schedule == "constant"
+    assert cfg.generation.max_new_tokens == 32 and cfg.model.value_head_std == 0.0
+    with pytest.raises(ConfigError):  # the strict loader would catch a typo in what the benchmark writes
+        load_config({**smollm2_vs_trl.rallyrl_config(str(tmp_path), "r", 1), "ppo": {"epoch": 1}})
+
+
+def _report(ratio: float, overhead: float) -> dict:
+    s = {"min": 0.1, "median": 0.2, "max": 0.3, "n": 3}
+    prof = {"iteration_s": 1.0, "phases": {k: {"s": 0.2, "share": 0.2} for k in
+                                           ("generate", "forward", "reward", "update", "other")}}
+    sysrow = {"episodes_per_s_median": 10.0, "final_score": [0.9], "profile": prof, "process_s": [30.0], "cpu_s": [20.0]}
+    run = {"reward_step_s": s, "reward_fn_s": s, "reward_gather_s": s, "reward_calls_per_iteration": 1.0,
+           "samples_per_call": 96.0, "iteration_s": s, "call_s_steady": s}
+    return {
+        "meta": {"date": "d0", "finished": "d1", "wall_s": 600.0, "quick": False, "command": "benchmarks/bench.py",
+                 "machine": {"cpus": 2}, "versions": {"torch": "2.13.0+cpu"}, "git": {"commit": "abc"},
+                 "load_start": 1.0, "load_end": 2.0},
+        "ppo_vs_trl": {"randomwalks": {"rallyrl1": {**sysrow, "episodes_per_s_median": 10.0 * ratio},
+                                       "trl1": sysrow, "ratio": ratio, "repeats": 3, "pretrained_score": 0.3},
+                       "smollm2": {"error": "examples/sentiments/prepare.py:smollm2_dir is not in this checkout"}},
+        "reward_phase": {"main": run, "direct": run, "local": run, "overhead_ratio": overhead,
+                         "server": {"status": "not available (rallyrl.reward.server is not in this checkout)"},
+                         "rss": {"main_rank0_mib": 900.0, "main_rank1_mib": 700.0, "main_difference_mib": 200.0,
+                                 "local_rank0_mib": 900.0, "local_rank1_mib": 890.0,
+                                 "reward_model_safetensors_mib": 86.7}},
+        "scaling": {"1": run, "2": run, "3": run},
+    }
+
+
+def test_table_states_goals_failures_and_missing_parts():
+    t = bench.table(_report(3.5, 1.4))
+    assert "| **3.50** | >= 2.0 (met) |" in t
+    assert "**1.40** (a/b) | <= 1.1 (NOT met) |" in t
+    assert "ppo_vs_trl.smollm2 | (failed) | examples/sentiments/prepare.py:smollm2_dir" in t
+    assert "not available" in t
+    assert "900 / 700 (+200)" in t
+    assert t.count("| scaling | world size") == 3
+    assert "(NOT met)" in bench.table(_report(1.5, 1.05)).split("reward_phase")[0]
+
+
+def test_results_md_names_machine_sharing_and_command():
+    md = bench.results_md(_report(2.5, 1.0))
+    assert "shared" in md and "benchmarks/bench.py" in md and "torch 2.13.0+cpu" in md and "10.0 min" in md
