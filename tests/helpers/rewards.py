@@ -210,3 +210,14 @@ def counted_classifier(log_dir: str, **kwargs):
         return out
 
     return classifier_reward
+
+
+def huge(samples, prompts, outputs, **kwargs):
+    """Finite but absurd rewards: the whitened advantages and the value loss overflow float32."""
+    return [1e30 for _ in samples]
+
+
+def slow_hashed(samples, prompts, outputs, **kwargs):
+    """`hashed`, slowly (a window for sending the run a signal mid-iteration)."""
+    time.sleep(float(os.environ.get("RALLYRL_TEST_SLEEP", "0.5")))
+    return [deterministic_score(p, o) for p, o in zip(prompts, outputs)]

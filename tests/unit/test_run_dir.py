@@ -1,0 +1,108 @@
+"""RunDir only ever touches its own files; a resume with a changed config is refused unless allowed
+(world size 1: pure file operations, no model)."""
+
+import json
+
+import pytest
+import yaml
+
+from rallyrl.config import load_config
+from rallyrl.tracking import MANIFEST, RunDir, RunDirError
+
+
+def _cfg(run_dir, **train):
+    return load_config({"train": {"run_dir": str(run_dir), **train}, "ppo": {"lr": 1e-3}})
+
+
+def _fake_run(run_dir, steps=(1, 2)):
+    """What a finished run leaves: written through RunDir, so the manifest lists it."""
+    cfg = _cfg(run_dir)
+    rd = RunDir.check_start(run_dir, cfg, [0])
+    w = rd.open(cfg, None, 0)
+    for s in steps:
+        w.log_metrics(s, {"reward/mean": float(s)})
+    w.log_eval_samples(0, [{"index": 0}])
+    w.close()
+    rd.claim("final", is_dir=True)
+    (run_dir / "final" / "model.safetensors").write_bytes(b"x")
+    return rd
+
+
+def test_users_config_yaml_is_never_replaced(tmp_path):
+    (tmp_path / "config.yaml").write_text("mine: true\n")
+    for overwrite in (False, True):
+        with pytest.raises(RunDirError, match=r"holds .*config.yaml, which rallyrl did not write"):
+            RunDir.check_start(tmp_path, _cfg(tmp_path, overwrite=overwrite), [])
+    assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
+
+
+def test_overwrite_removes_exactly_rallyrls_files(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run)
+    # the user's own files, beside and inside rallyrl's folders (an eval prompt file, notes)
+    (run / "notes.txt").write_text("keep")
+    (run / "prompts.txt").write_text("keep")
+    with pytest.raises(RunDirError, match="already holds a run"):
+        RunDir.check_start(run, _cfg(run), [])
+    cfg = _cfg(run, overwrite=True)
+    rd = RunDir.check_start(run, cfg, [0])
+    rd.open(cfg, None, 0).close()
+    assert (run / "notes.txt").read_text() == "keep" and (run / "prompts.txt").read_text() == "keep"
+    assert not (run / "final").exists() and not (run / "eval").exists()
+    assert (run / "metrics.jsonl").read_text() == ""  # a new, empty log
+    assert set(json.loads((run / MANIFEST).read_text())["files"]) == {"config.yaml", "metrics.jsonl", "rollouts.jsonl"}
+
+
+def test_a_user_folder_under_an_output_name_is_refused(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "weights.bin").write_bytes(b"mine")
+    with pytest.raises(RunDirError, match=r"final, which rallyrl did not write"):
+        RunDir.check_start(tmp_path, _cfg(tmp_path, overwrite=True), [])
+    (tmp_path / "eval").mkdir()  # a user's eval/ folder is fine, as long as no step file collides
+    (tmp_path / "final" / "weights.bin").unlink()
+    (tmp_path / "eval" / "step_0.jsonl").write_text("mine")
+    with pytest.raises(RunDirError, match=r"step_0.jsonl, which rallyrl did not write"):
+        RunDir.check_start(tmp_path, _cfg(tmp_path), [0, 5])
+
+
+def test_a_run_that_completed_no_iteration_counts_as_empty(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run, steps=())  # failed in its first iteration: only the step-0 eval was written
+    cfg = _cfg(run)
+    rd = RunDir.check_start(run, cfg, [0])  # no overwrite needed
+    rd.open(cfg, None, 0).close()
+    assert not (run / "eval").exists()
+
+
+def test_resume_with_a_changed_config_is_refused_then_recorded_when_allowed(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run)
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    changed = load_config({"train": {"run_dir": str(run), "resume": "latest", "iterations": 50},
+                           "ppo": {"lr": 2e-3}, "rollout": {"num_rollouts": 32}})
+    with pytest.raises(RunDirError) as e:
+        RunDir.check_start(run, changed, [])
+    msg = str(e.value)
+    assert "ppo.lr: 0.001 -> 0.002" in msg and "rollout.num_rollouts: 64 -> 32" in msg
+    assert "train.iterations" not in msg  # extending a run needs no permission
+    allowed = load_config({**changed.to_dict(), "train": {**changed.to_dict()["train"], "allow_config_change": True}})
+    rd = RunDir.check_start(run, allowed, [])
+    original = (run / "config.yaml").read_text()
+    rd.open(allowed, run / "checkpoints" / "step_2", 2).close()
+    assert (run / "config.yaml").read_text() == original  # the original record is never rewritten
+    (row,) = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
+    assert row["iteration"] == 2
+    assert {c["key"]: (c["old"], c["new"]) for c in row["changes"]}["ppo.lr"] == (1e-3, 2e-3)
+    # the recorded config now is the changed one: resuming again with it needs no permission
+    assert rd.recorded_config()["ppo"]["lr"] == 2e-3 and yaml.safe_load(original)["ppo"]["lr"] == 1e-3
+    RunDir.check_start(run, load_config({**allowed.to_dict(), "train": {**allowed.to_dict()["train"],
+                                                                        "allow_config_change": False}}), [])
+
+
+def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path):
+    rd = RunDir.check_start(tmp_path / "new", _cfg(tmp_path / "new", resume="auto"), [])
+    assert not rd.resuming
+    run = tmp_path / "run"
+    _fake_run(run)
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    assert RunDir.check_start(run, _cfg(run, resume="auto"), []).resuming
