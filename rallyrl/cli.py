@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+from . import plot
 from .config import ConfigError, load_config
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="validate a config and print it resolved")
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plot.add_parser(sub)
     args = p.parse_args(argv)
+    if args.cmd == "plot":
+        return plot.main(args)
 
     try:
         cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
