@@ -15,8 +15,8 @@ folder name):
 - ``eval.png``: every ``eval/*`` metric (only rows that have it; not written when no run has any).
 - ``losses.png``: ``policy/loss`` and ``value/loss``.
 - ``time.png``: per iteration, stacked seconds of each stage (``time/generate``, ``time/forward``,
-  ``time/reward``, ``time/reward_gather``, ``time/update``, ``time/eval``; a missing key counts 0),
-  one panel per run.
+  ``time/reward``, ``time/reward_gather``, ``time/update``, ``time/eval``; a missing key counts 0;
+  ``other`` = the rest of ``time/iteration``), one panel per run.
 
 matplotlib (the ``plot`` extra) is imported only when plotting, with no GUI backend.
 """
@@ -209,6 +209,10 @@ def _time_figure(runs: list[Run]):
             if any(vals):
                 ax.bar(steps, vals, bottom=bottom, width=0.8, color=f"C{j}", label=key.removeprefix("time/"))
                 bottom = [b + v for b, v in zip(bottom, vals)]
+        # What time/iteration holds beyond the named stages (statistics, logging, the PPO batch set-up).
+        rest = [max(0.0, (_finite(row.get("time/iteration")) or 0.0) - b) for row, b in zip(rows, bottom)]
+        if any(r > 1e-3 for r in rest):
+            ax.bar(steps, rest, bottom=bottom, width=0.8, color="lightgray", label="other")
         _style(ax, f"where the time goes: {run.name}", "seconds")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)

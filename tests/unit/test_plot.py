@@ -125,6 +125,16 @@ def test_time_bars_stack_the_stages_and_count_missing_stages_as_zero(tmp_path):
         x = round(patch.get_x() + patch.get_width() / 2)
         tops[x] = max(tops.get(x, 0.0), patch.get_y() + patch.get_height())
     assert tops == {1: pytest.approx(3.5), 2: pytest.approx(5.5)}
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {"generate", "forward", "update", "eval"}
+
+
+def test_time_bars_show_the_rest_of_the_iteration_as_other(tmp_path):
+    import rallyrl.plot as plot
+
+    run = load_run(write_run(tmp_path / "r", [{"step": 1, "time/generate": 1.0, "time/iteration": 4.0}]))
+    ax = plot._time_figure([run]).axes[0]
+    assert sorted((p.get_y(), p.get_height()) for p in ax.patches) == [(0.0, 1.0), (1.0, 3.0)]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["generate", "other"]
 
 
 def test_cli_plot_default_out_and_error_exit_code(tmp_path, capsys):
