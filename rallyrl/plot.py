@@ -126,6 +126,10 @@ def _style(ax, title: str, ylabel: str = "", xlabel: str = "iteration") -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lo, hi = ax.get_xlim()
+    if hi - lo < 2:  # a single iteration (e.g. one eval row): whole-number ticks around it
+        mid = round((lo + hi) / 2)
+        ax.set_xlim(mid - 1, mid + 1)
 
 
 def _legend(ax, runs: list[Run]) -> None:
