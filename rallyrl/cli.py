@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, NoReturn
 
+from . import plot
 from .config import ConfigError, load_config
 
 DEBUG_ENV = "RALLYRL_DEBUG"
@@ -202,7 +203,7 @@ CHECK = SimpleNamespace(add_parser=_check_parser, main=_check_main)
 
 def _commands() -> list[Any]:
     """Every subcommand; each has ``add_parser(subparsers)`` and ``main(args)``."""
-    return [TRAIN, CHECK]
+    return [TRAIN, CHECK, plot]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -258,6 +259,8 @@ def describe(e: BaseException, user_errors: tuple[type[BaseException], ...]) -> 
         if isinstance(e, OSError) and e.filename is not None:
             text = f"{e.strerror or type(e).__name__}: {e.filename}"
         fix = _FIXES.get(type(e).__name__)
+        if type(e).__name__ == "CheckpointError" and text.startswith("saving"):
+            fix = "check that train.run_dir is writable and has space; the last complete checkpoint is intact"
         if fix and fix not in text:
             text += f" ({fix})"
         return 2, f"rallyrl: error: {text}"

@@ -44,6 +44,12 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 class ModelConfig:
     path: str = _f("", "Local Hugging Face model folder (config + weights + tokenizer) of the policy.")
     tokenizer_path: str | None = _f(None, "Tokenizer folder, if it is not `model.path`.")
+    prepare: str | None = _f(
+        None,
+        "Import path (`pkg.mod:attr` or `file.py:attr`) of `fn(path)`, called with `model.path` before the "
+        "folder is checked, in every process: it builds or converts the model there on first use and must "
+        "be safe to call concurrently and cheap once done (examples/sentiments converts SmolLM2 this way).",
+    )
     dtype: Literal[DTYPES] = _f(  # type: ignore[valid-type]
         "float32", "Dtype the policy, reference and value head are loaded in."
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from .config import BatchPlan, Config, ConfigError, make_batch_plan
 from .data import load_prompts
-from .models import check_model_folder, load_tokenizer, max_positions
+from .models import ModelLoadError, check_model_folder, load_tokenizer, max_positions
 from .reward.loading import load_callable, resolve_reward_fns
 from .reward.step import NamedRewardFn
 
@@ -87,6 +87,8 @@ def prepare_inputs(
     reward_fns = resolve_reward_fns(cfg.reward, reward_fn)
     if metric_fn is None and cfg.eval.metric_fn:
         metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
+    if cfg.model.prepare:
+        prepare_model_folder(cfg.model.prepare, cfg.model.path)
     check_model_folder(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     from transformers import AutoConfig
@@ -109,6 +111,17 @@ def eval_steps(cfg: Config) -> list[int]:
     """The steps at which a run evaluates (0 = before the first iteration)."""
     n, k = cfg.train.iterations, cfg.eval.interval
     return sorted({0, n} | ({s for s in range(k, n + 1, k)} if k else set()))
+
+
+def prepare_model_folder(spec: str, path: str) -> None:
+    """Run the ``model.prepare`` hook; its failure is a ``ModelLoadError`` naming the hook."""
+    fn = load_callable(spec, "model.prepare")
+    if not path:
+        raise ConfigError("model.path is required: model.prepare is called with it")
+    try:
+        fn(path)
+    except Exception as e:
+        raise ModelLoadError(f"model.prepare: {spec}({path!r}) failed: {type(e).__name__}: {e}") from e
 
 
 def tokenize_prompts(records: list[dict[str, Any]], tokenizer: Any, max_positions: int | None,

