@@ -162,6 +162,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+@dist.stage("checkpoint save")
 def save_checkpoint(
     run_dir: Path,
     step: int,

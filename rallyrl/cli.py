@@ -93,11 +93,17 @@ def _train_main(args: argparse.Namespace) -> int:
         return launch(worker_args, args.nproc)
     from .trainer import train
 
-    with _sigterm_as_interrupt():
-        train(cfg)
-    from .dist import shutdown
+    from . import dist
 
-    shutdown()  # leave the process group together with the other ranks (see dist.shutdown)
+    with _sigterm_as_interrupt():
+        try:
+            train(cfg)
+        except RuntimeError as e:  # a collective that timed out: say where and what to change
+            translated = dist.timeout_error(e)
+            if translated is None:
+                raise
+            raise translated from e
+    dist.shutdown()  # leave the process group together with the other ranks (see dist.shutdown)
     return 0
 
 

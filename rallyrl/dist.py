@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from .errors import Failure, StageError
+from .errors import CollectiveTimeoutError, Failure, StageError
 
 T = TypeVar("T")
 
@@ -36,6 +36,44 @@ class _LazyModule:
 
 torch = _LazyModule("torch")
 tdist = _LazyModule("torch.distributed")
+
+
+# --- the stage a rank is in, so a collective timeout can say where it waited --------------------
+
+_stage = "start-up"
+_timeout_s = 0.0
+
+
+def stage(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorator: while the function runs this rank is in stage ``name``. Left set when it raises, so
+    a collective timeout raised inside is reported with the stage it happened in."""
+    import functools
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> T:
+            global _stage
+            outer, _stage = _stage, name
+            value = fn(*args, **kwargs)
+            _stage = outer
+            return value
+
+        return inner
+
+    return wrap
+
+
+def timeout_error(e: BaseException) -> CollectiveTimeoutError | None:
+    """A collective's timeout (gloo: "Timed out waiting ...ms", NCCL: "Watchdog caught collective
+    operation timeout") translated to one line: which rank waited, in which stage, for how long, and
+    what to change; None for any other error."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout")):
+        return None
+    return CollectiveTimeoutError(
+        f"rank {rank()} waited {_timeout_s:g} s (dist.timeout_s) for the other ranks in the {_stage} and gave "
+        f"up: a rank is stuck or died there (a hung reward function or server, a deadlock, a lost node). If "
+        f"the wait is legitimate (a slow reward model), raise dist.timeout_s or set reward.timeout_s")
 
 
 def is_distributed() -> bool:
@@ -75,7 +113,8 @@ def init_accelerator(timeout_s: float) -> torch.device:
     passed there: the ranks then form a gloo group. With GPUs the backend is NCCL. ``timeout_s`` bounds
     how long a rank waits in a collective for a dead or stuck peer.
     """
-    global _accelerator
+    global _accelerator, _timeout_s
+    _timeout_s = timeout_s
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 

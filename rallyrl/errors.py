@@ -89,3 +89,7 @@ class NonFiniteError(StageError):
     """The loss or the gradient norm became NaN/inf; the step was not applied."""
 
     what = "update"
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A rank waited longer than ``dist.timeout_s`` in a collective: a peer is stuck or dead."""

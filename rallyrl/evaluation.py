@@ -19,6 +19,7 @@ from .rollout import Shard, generate
 from .seeding import isolated_rng
 
 
+@dist.stage("evaluation")
 def evaluate(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, metric_fn: MetricFn | None,
              gen: GenerationConfig, do_sample: bool, chunk_size: int, device: torch.device
              ) -> tuple[dict[str, float], list[dict[str, Any]]]:

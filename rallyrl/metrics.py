@@ -14,6 +14,7 @@ from .rollout import Rollouts
 from .state import TrainState
 
 
+@dist.stage("statistics reduction")
 def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor, rstats: StepStats,
                       upd: dict[str, float], names: list[str], state: TrainState, plan: BatchPlan) -> dict[str, float]:
     """Global statistics of the iteration, with ONE all-reduce (sums; means derived afterwards)."""

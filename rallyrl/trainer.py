@@ -45,6 +45,7 @@ __all__ = ["TrainResult", "collect_rollouts", "compute_advantages", "ppo_update"
 # Stage 1+2: collect rollouts, with the central reward step once per chunk round
 
 
+@dist.stage("rollout stage (generation and the central reward step)")
 def collect_rollouts(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, shard: Shard,
                      gen: GenerationConfig, do_sample: bool, device: torch.device
                      ) -> tuple[Rollouts, StepStats, dict[str, float]]:
@@ -106,6 +107,7 @@ UPDATE_STATS = ("pg_loss", "vf_loss", "loss", "clipfrac_tok", "vf_clipfrac_tok",
                 "tokens")
 
 
+@dist.stage("PPO update")
 def ppo_update(learner: Learner, ro: Rollouts, advantages: torch.Tensor, returns: torch.Tensor,
                state: TrainState, ppo: PPOConfig, temperature: float, device: torch.device) -> dict[str, float]:
     """``ppo.epochs`` passes over the batch in ``ppo.num_minibatches`` optimizer steps. Returns the sums

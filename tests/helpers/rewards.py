@@ -193,7 +193,9 @@ def counted_classifier(log_dir: str, **kwargs):
 
     auto.from_pretrained = classmethod(counting_from_pretrained)
     fn = hf_classifier(**kwargs)
-    path = Path(log_dir, f"rank{state['rank']}.json")
+    # Built in the launcher too (its pre-flight check resolves the reward before any worker starts):
+    # that process has no RANK and records itself apart.
+    path = Path(log_dir, f"rank{state['rank']}.json" if "RANK" in os.environ else "launcher.json")
 
     def write() -> None:
         state["maxrss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
