@@ -16,7 +16,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,server]'
 	touch $(STAMP)
 
 install: $(STAMP)

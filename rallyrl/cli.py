@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="validate a config and print it resolved")
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    from .reward import server as reward_server  # light: fastapi/uvicorn are imported by its main()
+    reward_server.add_parser(sub)
     args = p.parse_args(argv)
+    if args.cmd == "serve-reward":
+        return reward_server.main(args)
 
     try:
         cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started

@@ -36,6 +36,7 @@ RewardFn = Callable[..., Any]
 T = TypeVar("T")
 
 PLACEMENTS = ("main", "local", "collective")
+_NO_LENGTH = 2**62  # see score_samples
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,9 @@ def score_samples(
             stats.time_reward += time.perf_counter() - t0
             stats.calls += 1
             stats.samples += b - a
-            lengths = [len(t) for t in part.output_token_ids]
+            # None: token ids unknown (a server request without them); the dense length is then
+            # checked on the client, which has them.
+            lengths = [len(t) if t is not None else _NO_LENGTH for t in part.output_token_ids]
             checked = validate_rewards(out, lengths, fn_name=f"reward function {nf.name!r}", offset=offset + a)
             for i, r in enumerate(checked):
                 rw = rewards[a + i]
