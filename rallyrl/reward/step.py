@@ -144,6 +144,9 @@ class StepStats:
     samples: int = 0  # samples passed to those calls (so samples / calls = mean micro-batch size)
     time_reward: float = 0.0  # seconds this rank spent inside reward functions
     time_gather: float = 0.0  # seconds moving samples, rewards and failures between ranks (per rank)
+    # seconds the main rank was BLOCKED waiting for rewards: the whole call when synchronous; with
+    # overlap (submit/collect) only the part that generation did not hide. 0 on the other ranks.
+    time_wait: float = 0.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,14 +191,20 @@ def call_kwargs(samples: Samples, tokenizer: Any) -> dict[str, Any]:
 
 
 def score_samples(
-    fns: Sequence[NamedRewardFn], samples: Samples, tokenizer: Any, batch_size: int | None, offset: int = 0
+    fns: Sequence[NamedRewardFn], samples: Samples, tokenizer: Any, batch_size: int | None, offset: int = 0,
+    isolate: bool = True,
 ) -> tuple[list[Reward], StepStats]:
     """Call every reward function on ``samples`` in micro-batches; validate; combine with weights.
 
-    Every call runs inside ``isolated_rng()``. Returns the rewards (aligned with ``samples``) and the
-    call statistics. Raises on any failure (the caller makes it collective). ``offset`` is the index of
-    the first sample in the batch the user sees (for messages).
+    Every call runs inside ``isolated_rng()`` (``isolate=False`` only for the background calls of
+    ``RewardStep.submit``: saving and restoring the global RNG state from a second thread would race
+    with generation on the main thread, so only functions that never touch it, ``RemoteReward``, are
+    run there). Returns the rewards (aligned with ``samples``) and the call statistics. Raises on any
+    failure (the caller makes it collective). ``offset`` is the index of the first sample in the batch
+    the user sees (for messages).
     """
+    import contextlib
+
     from ..seeding import isolated_rng
 
     n = len(samples)
@@ -207,7 +216,7 @@ def score_samples(
             full = [p + o for p, o in zip(part.prompts, part.outputs)]
             kwargs = call_kwargs(part, tokenizer)
             t0 = time.perf_counter()
-            with isolated_rng():
+            with isolated_rng() if isolate else contextlib.nullcontext():
                 out = nf.fn(full, part.prompts, part.outputs, **kwargs)
             stats.time_reward += time.perf_counter() - t0
             stats.calls += 1
@@ -219,7 +228,9 @@ def score_samples(
             for i, r in enumerate(checked):
                 rw = rewards[a + i]
                 if isinstance(r, list):
-                    dense = rw.dense if rw.dense is not None else [0.0] * lengths[i]
+                    n_tok = lengths[i] if lengths[i] != _NO_LENGTH else len(r)
+                    dense = rw.dense if rw.dense is not None else [0.0] * n_tok
+                    dense.extend([0.0] * (len(r) - len(dense)))  # unknown token count: as long as needed
                     for t, x in enumerate(r):
                         dense[t] += nf.weight * x
                     rw.dense = dense
@@ -254,6 +265,7 @@ class RewardStep:
         self.fns, self.placement, self.batch_size, self.tokenizer = list(fns), placement, batch_size, tokenizer
 
     def __call__(self, samples: Samples) -> tuple[list[Reward], StepStats]:
+        """Synchronous: gather, score, validate, scatter (one chunk round)."""
         if self.placement == "main":
             return self._main(samples)
         if self.placement == "local":
@@ -274,6 +286,7 @@ class RewardStep:
             batch, counts = concat_shards(gathered)
             try:
                 rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size)
+                stats.time_wait = stats.time_reward
                 payload = [("ok", mine) for mine in split_by_counts(rewards, counts)]
             except Exception as e:  # every failure is reported to every rank, then raised there
                 payload = [("error", Failure.of(e, 0))] * len(counts)
@@ -327,3 +340,97 @@ class RewardStep:
         if dist.rank() != 0:  # one joint call per micro-batch: count it once (stats are summed over ranks)
             stats.calls, stats.samples, stats.time_reward = 0, 0, 0.0
         return rewards, stats
+
+    # --- overlap: submit each round without waiting, collect once ---------------------------------
+    def submit(self, samples: Samples) -> "RewardHandle":
+        """Start scoring one chunk round; returns at once (a collective: every rank calls it every round).
+
+        The samples are gathered to the main rank (the only blocking part, as in the synchronous step),
+        which hands the batch to a background thread and returns; every rank goes on generating.
+        ``collect`` waits for the results, validates them and scatters them. Only with ``main``
+        placement and reward functions that never touch the global RNG (``RemoteReward``): the
+        background call cannot run inside ``isolated_rng()`` (see ``score_samples``).
+        """
+        from .. import dist
+
+        self._check_overlap()
+        t0 = time.perf_counter()
+        gathered = dist.gather_objects(samples, dst=0)
+        handle = RewardHandle(len(samples), time_gather=time.perf_counter() - t0)
+        if dist.is_main():
+            assert gathered is not None
+            batch, handle.counts = concat_shards(gathered)
+            handle.future = self._pool().submit(score_samples, self.fns, batch, self.tokenizer, self.batch_size,
+                                                0, False)
+        return handle
+
+    def collect(self, handles: Sequence["RewardHandle"]) -> list[tuple[list[Reward], StepStats]]:
+        """Wait for every submitted round, validate, and scatter ONCE; returns ``(rewards, stats)`` per
+        handle, in order. A failure in any round raises the same ``RewardError`` (with its cause) on
+        every rank. ``time_wait`` (on the last round's stats) is the time the main rank was blocked."""
+        from .. import dist
+
+        handles = list(handles)
+        stats = [StepStats(time_gather=h.time_gather) for h in handles]
+        payload: list[Any] | None = None
+        t_wait = 0.0
+        if dist.is_main():
+            t0 = time.perf_counter()
+            per_rank: list[list[list[Reward]]] = [[] for _ in range(dist.world_size())]
+            failure: Failure | None = None
+            for h, st in zip(handles, stats):
+                assert h.future is not None and h.counts is not None, "collect() takes the handles of submit()"
+                try:
+                    rewards, s = h.future.result()
+                except Exception as e:  # keep waiting for the others: no thread is left running on exit
+                    failure = failure or Failure.of(e, 0)
+                    continue
+                st.calls, st.samples, st.time_reward = s.calls, s.samples, s.time_reward
+                for r, mine in enumerate(split_by_counts(rewards, h.counts)):
+                    per_rank[r].append(mine)
+            t_wait = time.perf_counter() - t0
+            payload = ([("error", failure)] * len(per_rank) if failure is not None
+                       else [("ok", mine) for mine in per_rank])
+        t1 = time.perf_counter()
+        status, mine = dist.scatter_objects(payload, src=0)
+        if stats:
+            stats[-1].time_gather += time.perf_counter() - t1
+            stats[-1].time_wait = t_wait
+        if status == "error":
+            raise RewardError.from_failures([mine])
+        assert len(mine) == len(handles) and all(len(m) == h.n for m, h in zip(mine, handles))
+        return list(zip(mine, stats))
+
+    def _check_overlap(self) -> None:
+        from .client import RemoteReward
+
+        if self.placement != "main":
+            raise ValueError(f"reward overlap (submit/collect) needs placement 'main', not {self.placement!r}")
+        local = [nf.name for nf in self.fns if not isinstance(nf.fn, RemoteReward)]
+        if local:
+            raise ValueError(f"reward overlap needs remote reward functions (RemoteReward); {local} run in this "
+                             f"process, where a background call would race with generation on the global RNG")
+
+    def _pool(self) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if getattr(self, "_executor", None) is None:
+            # Several rounds in flight at once: a batching server merges them into fewer calls.
+            self._executor = ThreadPoolExecutor(8, thread_name_prefix="rallyrl-reward-overlap")
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the background threads of ``submit`` (if any)."""
+        ex, self._executor = getattr(self, "_executor", None), None
+        if ex is not None:
+            ex.shutdown(wait=True)
+
+
+@dataclass
+class RewardHandle:
+    """One submitted chunk round (``RewardStep.submit``)."""
+
+    n: int  # this rank's sample count in the round
+    time_gather: float = 0.0
+    counts: list[int] | None = None  # main rank: per-rank counts
+    future: Any = None  # main rank: concurrent.futures.Future of score_samples

@@ -210,3 +210,10 @@ def counted_classifier(log_dir: str, **kwargs):
         return out
 
     return classifier_reward
+
+
+def hashed_slow(samples, prompts, outputs, **kwargs):
+    """`hashed`, after sleeping RALLYRL_TEST_REWARD_SLEEP seconds per call (default 0.3): a slow reward
+    model, for kill-and-restart tests and the overlap benchmark."""
+    time.sleep(float(os.environ.get("RALLYRL_TEST_REWARD_SLEEP", "0.3")))
+    return hashed(samples, prompts, outputs, **kwargs)
