@@ -33,6 +33,7 @@ import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class RemoteReward:
         self._rng = random.Random()  # jitter only; never the global RNG streams
         self._lock = threading.Lock()
         self._client: Any = None
+        self.failed_attempts: deque[str] = deque(maxlen=100)  # "URL: cause" of recent failed attempts
         self.__name__ = "remote"
 
     @staticmethod
@@ -195,6 +197,7 @@ class RemoteReward:
                     server.failures += 1
                     server.dead_until = time.monotonic() + self.dead_s
                 last = (server.url, str(e))
+                self.failed_attempts.append(f"{server.url}: {e}")
                 continue
             except BaseException:
                 with self._lock:

@@ -8,7 +8,6 @@
   is read from its first line), for kill-and-restart tests and training runs.
 """
 
-from __future__ import annotations
 
 import asyncio
 import json
@@ -81,7 +80,7 @@ class ScriptedServer:
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=1))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
-    def __enter__(self) -> "ScriptedServer":
+    def __enter__(self):
         self._thread.start()
         deadline = time.monotonic() + 20
         while not self._server.started:
