@@ -91,6 +91,7 @@ class RemoteReward:
         self._rng = random.Random()  # jitter only; never the global RNG streams
         self._lock = threading.Lock()
         self._client: Any = None
+        self._http()  # now, on the constructing thread: see _http
         self.failed_attempts: deque[str] = deque(maxlen=100)  # "URL: cause" of recent failed attempts
         self.__name__ = "remote"
 
@@ -129,12 +130,21 @@ class RemoteReward:
     def _http(self) -> Any:
         with self._lock:
             if self._client is None:
-                import httpx
+                # Importing httpx draws from the global `random` (its `rich` dependency does, at import
+                # time), and the first use may import more: done inside isolated_rng, and at construction,
+                # so a call on RewardStep.submit's background thread never imports anything.
+                from ..seeding import isolated_rng
 
-                headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-                limits = httpx.Limits(max_connections=4 * len(self.servers) + 4)
-                self._client = httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=headers, limits=limits)
+                with isolated_rng():
+                    import httpx
+
+                    self._client = self._make_client(httpx)
             return self._client
+
+    def _make_client(self, httpx: Any) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        limits = httpx.Limits(max_connections=4 * len(self.servers) + 4)
+        return httpx.Client(timeout=httpx.Timeout(self.timeout_s), headers=headers, limits=limits)
 
     # --- the reward function ------------------------------------------------------------------
     def __call__(self, samples: Sequence[str], prompts: Sequence[str], outputs: Sequence[str],
