@@ -479,7 +479,9 @@ def main(args: argparse.Namespace) -> int:
     batcher = Batcher(fn, args.max_batch, args.max_wait_ms, batching=not args.no_batching)
     app = create_app(batcher, token, int(args.max_body_mb * 2**20))
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when the listening
+    # socket says so; without it Nagle + delayed ACKs add ~40 ms to every request (measured: 45 -> 5 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))

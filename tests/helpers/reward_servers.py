@@ -23,7 +23,7 @@ from tests.helpers.runs import ROOT, env
 
 
 def free_socket() -> socket.socket:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # see rallyrl.reward.server.main
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("127.0.0.1", 0))
     return s
