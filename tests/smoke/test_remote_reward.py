@@ -154,3 +154,19 @@ def test_server_killed_mid_call_and_restarted_is_recovered_by_the_retries():
         assert fn.failed_attempts and all(f.startswith(url) for f in fn.failed_attempts)  # it did fail first
     finally:
         stop(proc2)
+
+
+def test_serve_reward_model_matches_the_in_process_classifier(tiny_model, tmp_path):
+    """`serve-reward --model DIR --label POS` is the built-in hf_classifier: same scores as in-process."""
+    from rallyrl.reward import hf_classifier
+    from tests.helpers.rewards import build_tiny_classifier
+
+    rm = build_tiny_classifier(tmp_path / "rm", tiny_model)
+    proc, url = serve_reward_process("--model", str(rm), "--label", "POS", "--device", "cpu")
+    try:
+        got = call(fast(url), n=6)
+    finally:
+        stop(proc)
+    want = hf_classifier(str(rm), label="POS")([p + o for p, o in zip(PROMPTS[:6], OUTPUTS[:6])], PROMPTS[:6],
+                                               OUTPUTS[:6])
+    assert got == want
