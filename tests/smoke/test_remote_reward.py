@@ -104,17 +104,22 @@ def test_several_servers_share_a_batch_skip_a_dead_one_and_reassemble_in_order()
     dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     try:
         with ScriptedServer() as a, ScriptedServer(["500", "500", "500"]) as b:
-            fn = fast([a.url, b.url, dead_url], retries=4, dead_s=60)
+            # one part (1 sample): the first least-loaded server is the dead one; it fails, is marked
+            # dead, and the part goes to `a`
+            fn = fast([dead_url, a.url], retries=2, dead_s=60)
+            assert call(fn, n=1) == WANT[:1]
+            assert len(fn.failed_attempts) == 1 and fn.failed_attempts[0].startswith(dead_url)
+            assert [r["n"] for r in a.requests] == [1]
+            # now it is skipped (dead for 60 s): the whole batch goes to the live server at once
             assert call(fn) == WANT
-            # every sample was scored exactly once by a server that answered, in its own position
+            assert [r["n"] for r in a.requests] == [1, 10] and len(fn.failed_attempts) == 1
+            # a batch split over two servers, one of which fails three times: reassembled in order, and
+            # every sample was scored exactly once by an answer that was used
+            a.requests.clear()
+            fn = fast([a.url, b.url], retries=4)
+            assert call(fn) == WANT
             scored = [p for s in (a, b) for r in s.requests if r["mode"] == "ok" for p in r["prompts"]]
             assert sorted(scored) == sorted(PROMPTS)
-            assert all(r["mode"] == "500" for r in b.requests)  # b failed every time: a did the rest
-            assert any(f.startswith(dead_url) for f in fn.failed_attempts)
-            # the dead server is skipped now (marked dead for 60 s): one part, to the live server
-            n_before = len(a.requests)
-            assert call(fn) == WANT
-            assert len(a.requests) == n_before + 1 and a.requests[-1]["n"] == 10
     finally:
         dead.close()
 
