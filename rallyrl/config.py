@@ -162,7 +162,11 @@ class RewardConfig:
         "URL of a reward server (`rallyrl serve-reward`, or OpenRLHF's), or a list of URLs (each batch split "
         "over them): the reward function is then `rallyrl.RemoteReward` (instead of `reward.fn`/`reward.fns`).",
     )
-    timeout_s: float = _f(60.0, "With `reward.url`: seconds one HTTP attempt may take before it is retried.")
+    timeout_s: float | None = _f(
+        None,
+        "Seconds a reward call may take. With `reward.url`: per HTTP attempt, then retried (null = 60). "
+        "In-process: a longer call stops the run on every rank with a RewardError naming this key (null = no bound).",
+    )
     retries: int = _f(3, "With `reward.url`: extra attempts (exponential backoff with jitter) before the run "
                          "stops with a RewardError naming the URL and the last failure.")
     protocol: Literal["rallyrl", "openrlhf"] = _f(

@@ -96,7 +96,8 @@ def resolve_reward_fns(cfg: "RewardConfig", reward_fn: Any = None) -> list["Name
         from .client import RemoteReward
 
         try:
-            remote = RemoteReward(cfg.url, timeout_s=cfg.timeout_s, retries=cfg.retries, protocol=cfg.protocol)
+            remote = RemoteReward(cfg.url, timeout_s=cfg.timeout_s if cfg.timeout_s is not None else 60.0,
+                                  retries=cfg.retries, protocol=cfg.protocol)
         except ValueError as e:
             raise ConfigError(f"reward.url: {e}") from None
         return [NamedRewardFn("remote", remote)]

@@ -190,9 +190,46 @@ def call_kwargs(samples: Samples, tokenizer: Any) -> dict[str, Any]:
     return kwargs
 
 
+class RewardTimeoutError(TimeoutError):
+    """An in-process reward call took longer than ``reward.timeout_s``."""
+
+
+def _call_bounded(fn: RewardFn, args: tuple, kwargs: dict[str, Any], timeout_s: float, name: str) -> Any:
+    """``fn(*args, **kwargs)`` inside ``isolated_rng()`` on a helper thread, waited for at most
+    ``timeout_s``. The caller's thread only waits meanwhile, so the RNG save/restore cannot race with it;
+    a call that overruns cannot be killed: it is left running (a daemon thread) and the run stops."""
+    import threading
+
+    import torch
+
+    from ..seeding import isolated_rng
+
+    # The current CUDA device is per thread: the helper uses the caller's (a rank's own GPU, not cuda:0).
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            with isolated_rng():
+                box["out"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="rallyrl-reward-call", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise RewardTimeoutError(f"reward function {name!r} did not return within reward.timeout_s={timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
 def score_samples(
     fns: Sequence[NamedRewardFn], samples: Samples, tokenizer: Any, batch_size: int | None, offset: int = 0,
-    isolate: bool = True,
+    isolate: bool = True, timeout_s: float | None = None,
 ) -> tuple[list[Reward], StepStats]:
     """Call every reward function on ``samples`` in micro-batches; validate; combine with weights.
 
@@ -201,11 +238,14 @@ def score_samples(
     with generation on the main thread, so only functions that never touch it, ``RemoteReward``, are
     run there). Returns the rewards (aligned with ``samples``) and the call statistics. Raises on any
     failure (the caller makes it collective). ``offset`` is the index of the first sample in the batch
-    the user sees (for messages).
+    the user sees (for messages). ``timeout_s`` bounds each call of an in-process function (see
+    ``_call_bounded``); a ``RemoteReward`` bounds its own HTTP attempts and retries, so it is not bounded
+    again here.
     """
     import contextlib
 
     from ..seeding import isolated_rng
+    from .client import RemoteReward
 
     n = len(samples)
     rewards = [Reward(0.0) for _ in range(n)]
@@ -216,8 +256,11 @@ def score_samples(
             full = [p + o for p, o in zip(part.prompts, part.outputs)]
             kwargs = call_kwargs(part, tokenizer)
             t0 = time.perf_counter()
-            with isolated_rng() if isolate else contextlib.nullcontext():
-                out = nf.fn(full, part.prompts, part.outputs, **kwargs)
+            if timeout_s is not None and isolate and not isinstance(nf.fn, RemoteReward):
+                out = _call_bounded(nf.fn, (full, part.prompts, part.outputs), kwargs, timeout_s, nf.name)
+            else:
+                with isolated_rng() if isolate else contextlib.nullcontext():
+                    out = nf.fn(full, part.prompts, part.outputs, **kwargs)
             stats.time_reward += time.perf_counter() - t0
             stats.calls += 1
             stats.samples += b - a
@@ -255,6 +298,7 @@ class RewardStep:
         placement: str = "main",
         batch_size: int | None = None,
         tokenizer: Any = None,
+        timeout_s: float | None = None,
     ) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"reward.placement must be main, local or collective, got {placement!r}")
@@ -262,7 +306,10 @@ class RewardStep:
             raise ValueError("RewardStep needs at least one reward function")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"reward.batch_size must be > 0, got {batch_size}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
         self.fns, self.placement, self.batch_size, self.tokenizer = list(fns), placement, batch_size, tokenizer
+        self.timeout_s = timeout_s  # bounds each in-process reward call (None: unbounded)
 
     def __call__(self, samples: Samples) -> tuple[list[Reward], StepStats]:
         """Synchronous: gather, score, validate, scatter (one chunk round)."""
@@ -285,7 +332,8 @@ class RewardStep:
             assert gathered is not None
             batch, counts = concat_shards(gathered)
             try:
-                rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size)
+                rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
+                                               timeout_s=self.timeout_s)
                 stats.time_wait = stats.time_reward
                 payload = [("ok", mine) for mine in split_by_counts(rewards, counts)]
             except Exception as e:  # every failure is reported to every rank, then raised there
@@ -305,7 +353,8 @@ class RewardStep:
         rewards: list[Reward] = []
         stats = StepStats()
         try:
-            rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size)
+            rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size,
+                                           timeout_s=self.timeout_s)
         except Exception as e:
             failure = Failure.of(e, dist.rank())
         # Even on success every rank takes part in this exchange: that is what lets a failure on one
@@ -328,7 +377,8 @@ class RewardStep:
         rewards: list[Reward] = []
         stats = StepStats()
         try:
-            allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size)
+            allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
+                                        timeout_s=self.timeout_s)
             rewards = split_by_counts(allr, counts)[dist.rank()]
         except Exception as e:
             failure = Failure.of(e, dist.rank())

@@ -1,7 +1,8 @@
 """Overlap at the RewardStep level: ``submit`` (returns at once; the main rank's background thread talks
 to the reward server) and ``collect`` (waits, validates, scatters once), in 1 process and with 2 real
 processes (gloo): same rewards as the synchronous step, global RNG streams untouched while requests are
-in flight, failures collective with their cause, the group usable afterwards.
+in flight, failures collective with their cause, the group usable afterwards. Also ``reward.timeout_s``
+bounding an in-process reward call (``main`` and ``local``): every rank raises the RewardError naming it.
 
 The reward server is a real uvicorn server on a random loopback port in the pytest process."""
 
@@ -40,13 +41,13 @@ def test_submit_returns_at_once_and_collect_matches_the_synchronous_step():
     from rallyrl.seeding import get_rng_state
     from tests.helpers.reward_servers import ScriptedServer
 
-    with ScriptedServer(["gate"]) as srv:
+    with ScriptedServer(default="gate") as srv:  # every request is held until the gate opens
         step = RewardStep([NamedRewardFn("remote", RemoteReward(srv.url, retries=0))], "main")
         rounds = [_shard(0, n, tag=f"t{k}") for k, n in enumerate([3, 0, 2, 4])]
         before = get_rng_state()
         handles = [step.submit(s) for s in rounds]
         time.sleep(0.2)
-        assert not handles[0].future.done()  # the server holds round 0 until the gate opens: we did not wait
+        assert not any(h.future.done() for h in handles if h.n)  # held by the server: submit did not wait
         srv.gate.set()
         out = step.collect(handles)
         after = get_rng_state()
@@ -139,6 +140,26 @@ def _worker(out: Path, url: str, bad_url: str) -> None:
     assert [rw.score for rw in rewards] == _want(_shard(R, 1, tag="after"))
     nonempty += 1
     step.close()
+
+    # reward.timeout_s bounds in-process calls: the slow rank times out, every rank raises, then the
+    # group is still usable
+    def slow_on(rank):
+        def slow_reward(samples, prompts, outputs, **kw):
+            if R == rank:
+                time.sleep(5)
+            return [0.0] * len(samples)
+        return slow_reward
+
+    for placement, rank in (("main", 0), ("local", 1)):
+        t0 = time.perf_counter()
+        try:
+            RewardStep([NamedRewardFn("slow", slow_on(rank))], placement, timeout_s=0.5)(_shard(R, 2))
+            raise AssertionError("no RewardError")
+        except RewardError as e:
+            assert e.rank == rank and "did not return within reward.timeout_s=0.5 s" in str(e), str(e)
+        assert time.perf_counter() - t0 < 4, placement
+    fast_step = RewardStep([NamedRewardFn("ok", lambda s, p, o, **kw: [1.0] * len(s))], "main", timeout_s=5)
+    assert [rw.score for rw in fast_step(_shard(R, 2))[0]] == [1.0, 1.0]
     failing.close()
     if R == 0:
         (out / "result.json").write_text(json.dumps({"trials": trials, "empty_rounds": empty,

@@ -70,3 +70,33 @@ def test_serve_reward_command_line_errors(args, message, capsys):
     import re
 
     assert re.search(message, err), err
+
+
+def test_reward_timeout_bounds_an_in_process_call_and_keeps_the_rng():
+    import time
+
+    from rallyrl.reward import NamedRewardFn, RewardError, RewardStep, Samples
+    from rallyrl.seeding import get_rng_state
+    from tests.helpers.rewards import draw_from_global_rngs
+
+    def slow(samples, prompts, outputs, **kw):
+        time.sleep(3)
+        return [0.0] * len(samples)
+
+    def noisy(samples, prompts, outputs, **kw):
+        draw_from_global_rngs()  # on the helper thread, inside isolated_rng
+        return [float(len(o)) for o in outputs]
+
+    s = Samples(["a", "b"], ["x", "yy"], [[1], [1, 2]], [{}, {}])
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError, match=r"RewardTimeoutError: reward function 'slow' did not return within "
+                                          r"reward.timeout_s=0.2 s"):
+        RewardStep([NamedRewardFn("slow", slow)], "main", timeout_s=0.2)(s)
+    assert time.perf_counter() - t0 < 2.5
+    before = get_rng_state()
+    rewards, _ = RewardStep([NamedRewardFn("noisy", noisy)], "local", timeout_s=10)(s)
+    after = get_rng_state()
+    assert [r.score for r in rewards] == [1.0, 2.0]
+    assert before["python"] == after["python"] and (before["torch"] == after["torch"]).all()
+    with pytest.raises(ValueError, match="reward.timeout_s must be > 0"):
+        RewardStep([NamedRewardFn("noisy", noisy)], timeout_s=0)
