@@ -146,7 +146,7 @@ def _worker(out: Path, url: str, bad_url: str) -> None:
     def slow_on(rank):
         def slow_reward(samples, prompts, outputs, **kw):
             if R == rank:
-                time.sleep(5)
+                time.sleep(2)
             return [0.0] * len(samples)
         return slow_reward
 
@@ -160,6 +160,13 @@ def _worker(out: Path, url: str, bad_url: str) -> None:
         assert time.perf_counter() - t0 < 4, placement
     fast_step = RewardStep([NamedRewardFn("ok", lambda s, p, o, **kw: [1.0] * len(s))], "main", timeout_s=5)
     assert [rw.score for rw in fast_step(_shard(R, 2))[0]] == [1.0, 1.0]
+    # The overrun calls are still running on daemon threads: let them end before the interpreter does (a
+    # daemon thread inside torch's C++ code at interpreter shutdown can abort the process).
+    import threading
+
+    for t in threading.enumerate():
+        if t.name == "rallyrl-reward-call":
+            t.join(timeout=10)
     failing.close()
     if R == 0:
         (out / "result.json").write_text(json.dumps({"trials": trials, "empty_rounds": empty,
