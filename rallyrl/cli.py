@@ -209,7 +209,9 @@ CHECK = SimpleNamespace(add_parser=_check_parser, main=_check_main)
 
 def _commands() -> list[Any]:
     """Every subcommand; each has ``add_parser(subparsers)`` and ``main(args)``."""
-    return [TRAIN, CHECK, plot]
+    from .reward import server as reward_server  # light: fastapi/uvicorn are imported by its main()
+
+    return [TRAIN, CHECK, plot, reward_server]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -186,6 +186,26 @@ class RewardConfig:
     batch_size: int | None = _f(
         None, "Micro-batch size of reward calls (null = one call with every sample of the chunk round)."
     )
+    url: str | list[str] | None = _f(
+        None,
+        "URL of a reward server (`rallyrl serve-reward`, or OpenRLHF's), or a list of URLs (each batch split "
+        "over them): the reward function is then `rallyrl.RemoteReward` (instead of `reward.fn`/`reward.fns`).",
+    )
+    timeout_s: float | None = _f(
+        None,
+        "Seconds a reward call may take. With `reward.url`: per HTTP attempt, then retried (null = 60). "
+        "In-process: a longer call stops the run on every rank with a RewardError naming this key (null = no bound).",
+    )
+    retries: int = _f(3, "With `reward.url`: extra attempts (exponential backoff with jitter) before the run "
+                         "stops with a RewardError naming the URL and the last failure.")
+    protocol: Literal["rallyrl", "openrlhf"] = _f(
+        "rallyrl", "With `reward.url`: `rallyrl` (POST /score) or `openrlhf` (POST /get_reward)."
+    )
+    overlap: bool = _f(
+        False,
+        "With `reward.url` and `placement: main`: score each chunk round in the background while the ranks "
+        "generate the next one; rewards are collected once per iteration (same results as without).",
+    )
 
 
 @dataclass
@@ -463,6 +483,29 @@ def validate(cfg: Config) -> None:
     positive("dist.timeout_s", cfg.dist.timeout_s)
     if cfg.reward.fn and cfg.reward.fns:
         raise ConfigError("set either reward.fn or reward.fns, not both")
+    r = cfg.reward
+    if r.url is not None:
+        if r.fn or r.fns:
+            raise ConfigError(f"set either reward.url or reward.{'fn' if r.fn else 'fns'}, not both "
+                              f"(reward.url makes the reward function a RemoteReward)")
+        if r.kwargs:
+            raise ConfigError("reward.kwargs is for reward.fn; with reward.url use reward.timeout_s, "
+                              "reward.retries and reward.protocol")
+        if r.placement == "collective":
+            raise ConfigError("reward.url works with reward.placement main or local, not collective "
+                              "(every rank would send the whole batch to the server)")
+        urls = [r.url] if isinstance(r.url, str) else r.url
+        if not urls:
+            raise ConfigError("reward.url: the list of URLs is empty")
+        for i, u in enumerate(urls):
+            where = "reward.url" if isinstance(r.url, str) else f"reward.url[{i}]"
+            if not (u.startswith("http://") or u.startswith("https://")) or len(u.split("//", 1)[1]) == 0:
+                raise ConfigError(f"{where}: {u!r} must look like http://host:port")
+    positive("reward.timeout_s", r.timeout_s)
+    positive("reward.retries", r.retries, allow_zero=True)
+    if r.overlap and (r.url is None or r.placement != "main"):
+        raise ConfigError("reward.overlap needs reward.url and reward.placement main: only a remote reward can "
+                          "run beside generation without touching the training RNG streams")
     for i, spec in enumerate(cfg.reward.fns):
         if not spec.fn:
             raise ConfigError(f"reward.fns[{i}].fn is required")

@@ -1,10 +1,12 @@
-"""Reward functions and the central reward step."""
+"""Reward functions, the central reward step, and the HTTP reward client (the server is ``.server``)."""
 
+from .client import RemoteReward, RemoteRewardError
 from .hf import HFClassifierError, HFClassifierReward, hf_classifier
-from .step import (Failure, NamedRewardFn, Reward, RewardError, RewardStep, Samples, StepStats, concat_shards,
-                   micro_batches, split_by_counts)
+from .step import (Failure, NamedRewardFn, Reward, RewardError, RewardHandle, RewardStep, Samples, StepStats,
+                   concat_shards, micro_batches, split_by_counts)
 from .validate import RewardValidationError, validate_rewards
 
-__all__ = ["Failure", "HFClassifierError", "HFClassifierReward", "NamedRewardFn", "Reward", "RewardError",
-           "RewardStep", "RewardValidationError", "Samples", "StepStats", "concat_shards", "hf_classifier",
-           "micro_batches", "split_by_counts", "validate_rewards"]
+__all__ = ["Failure", "HFClassifierError", "HFClassifierReward", "NamedRewardFn", "RemoteReward",
+           "RemoteRewardError", "Reward", "RewardError", "RewardHandle", "RewardStep", "RewardValidationError",
+           "Samples", "StepStats", "concat_shards", "hf_classifier", "micro_batches", "split_by_counts",
+           "validate_rewards"]

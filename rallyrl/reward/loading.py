@@ -109,6 +109,17 @@ def resolve_reward_fns(cfg: "RewardConfig", reward_fn: Any = None) -> list["Name
             else:
                 raise ConfigError(f"reward_fn[{i}] is a {type(f).__name__}, not callable")
         return out
+    if cfg.url is not None:
+        if cfg.fn or cfg.fns:  # also checked when the config is loaded; a RewardConfig may be built by hand
+            raise ConfigError(f"set either reward.url or reward.{'fn' if cfg.fn else 'fns'}, not both")
+        from .client import RemoteReward
+
+        try:
+            remote = RemoteReward(cfg.url, timeout_s=cfg.timeout_s if cfg.timeout_s is not None else 60.0,
+                                  retries=cfg.retries, protocol=cfg.protocol)
+        except ValueError as e:
+            raise ConfigError(f"reward.url: {e}") from None
+        return [NamedRewardFn("remote", remote)]
     if cfg.fns:
         return [NamedRewardFn(reward_fn_name(s), load_callable(s.fn, f"reward.fns[{i}].fn", s.kwargs), s.weight)
                 for i, s in enumerate(cfg.fns)]

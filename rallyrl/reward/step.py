@@ -36,6 +36,7 @@ RewardFn = Callable[..., Any]
 T = TypeVar("T")
 
 PLACEMENTS = ("main", "local", "collective")
+_NO_LENGTH = 2**62  # see score_samples
 
 
 @dataclass
@@ -94,6 +95,9 @@ class StepStats:
     samples: int = 0  # samples passed to those calls (so samples / calls = mean micro-batch size)
     time_reward: float = 0.0  # seconds this rank spent inside reward functions
     time_gather: float = 0.0  # seconds moving samples, rewards and failures between ranks (per rank)
+    # seconds the main rank was BLOCKED waiting for rewards: the whole call when synchronous; with
+    # overlap (submit/collect) only the part that generation did not hide. 0 on the other ranks.
+    time_wait: float = 0.0
 
     def add(self, other: "StepStats") -> None:
         """Accumulate another step's statistics (the chunk rounds of one iteration)."""
@@ -144,16 +148,62 @@ def call_kwargs(samples: Samples, tokenizer: Any) -> dict[str, Any]:
     return kwargs
 
 
+class RewardTimeoutError(TimeoutError):
+    """An in-process reward call took longer than ``reward.timeout_s``."""
+
+
+def _call_bounded(fn: RewardFn, args: tuple, kwargs: dict[str, Any], timeout_s: float, name: str) -> Any:
+    """``fn(*args, **kwargs)`` inside ``isolated_rng()`` on a helper thread, waited for at most
+    ``timeout_s``. The caller's thread only waits meanwhile, so the RNG save/restore cannot race with it;
+    a call that overruns cannot be killed: it is left running (a daemon thread) and the run stops."""
+    import threading
+
+    import torch
+
+    from ..seeding import isolated_rng
+
+    # The current CUDA device is per thread: the helper uses the caller's (a rank's own GPU, not cuda:0).
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            with isolated_rng():
+                box["out"] = fn(*args, **kwargs)
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="rallyrl-reward-call", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise RewardTimeoutError(f"reward function {name!r} did not return within reward.timeout_s={timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
 def score_samples(
-    fns: Sequence[NamedRewardFn], samples: Samples, tokenizer: Any, batch_size: int | None, offset: int = 0
+    fns: Sequence[NamedRewardFn], samples: Samples, tokenizer: Any, batch_size: int | None, offset: int = 0,
+    isolate: bool = True, timeout_s: float | None = None,
 ) -> tuple[list[Reward], StepStats]:
     """Call every reward function on ``samples`` in micro-batches; validate; combine with weights.
 
-    Every call runs inside ``isolated_rng()``. Returns the rewards (aligned with ``samples``) and the
-    call statistics. Raises on any failure (the caller makes it collective). ``offset`` is the index of
-    the first sample in the batch the user sees (for messages).
+    Every call runs inside ``isolated_rng()`` (``isolate=False`` only for the background calls of
+    ``RewardStep.submit``: saving and restoring the global RNG state from a second thread would race
+    with generation on the main thread, so only functions that never touch it, ``RemoteReward``, are
+    run there). Returns the rewards (aligned with ``samples``) and the call statistics. Raises on any
+    failure (the caller makes it collective). ``offset`` is the index of the first sample in the batch
+    the user sees (for messages). ``timeout_s`` bounds each call of an in-process function (see
+    ``_call_bounded``); a ``RemoteReward`` bounds its own HTTP attempts and retries, so it is not bounded
+    again here.
     """
+    import contextlib
+
     from ..seeding import isolated_rng
+    from .client import RemoteReward
 
     n = len(samples)
     rewards = [Reward(0.0) for _ in range(n)]
@@ -164,17 +214,24 @@ def score_samples(
             full = [p + o for p, o in zip(part.prompts, part.outputs)]
             kwargs = call_kwargs(part, tokenizer)
             t0 = time.perf_counter()
-            with isolated_rng():
-                out = nf.fn(full, part.prompts, part.outputs, **kwargs)
+            if timeout_s is not None and isolate and not isinstance(nf.fn, RemoteReward):
+                out = _call_bounded(nf.fn, (full, part.prompts, part.outputs), kwargs, timeout_s, nf.name)
+            else:
+                with isolated_rng() if isolate else contextlib.nullcontext():
+                    out = nf.fn(full, part.prompts, part.outputs, **kwargs)
             stats.time_reward += time.perf_counter() - t0
             stats.calls += 1
             stats.samples += b - a
-            lengths = [len(t) for t in part.output_token_ids]
+            # None: token ids unknown (a server request without them); the dense length is then
+            # checked on the client, which has them.
+            lengths = [len(t) if t is not None else _NO_LENGTH for t in part.output_token_ids]
             checked = validate_rewards(out, lengths, fn_name=f"reward function {nf.name!r}", offset=offset + a)
             for i, r in enumerate(checked):
                 rw = rewards[a + i]
                 if isinstance(r, list):
-                    dense = rw.dense if rw.dense is not None else [0.0] * lengths[i]
+                    n_tok = lengths[i] if lengths[i] != _NO_LENGTH else len(r)
+                    dense = rw.dense if rw.dense is not None else [0.0] * n_tok
+                    dense.extend([0.0] * (len(r) - len(dense)))  # unknown token count: as long as needed
                     for t, x in enumerate(r):
                         dense[t] += nf.weight * x
                     rw.dense = dense
@@ -199,6 +256,7 @@ class RewardStep:
         placement: str = "main",
         batch_size: int | None = None,
         tokenizer: Any = None,
+        timeout_s: float | None = None,
     ) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"reward.placement must be main, local or collective, got {placement!r}")
@@ -206,9 +264,13 @@ class RewardStep:
             raise ValueError("RewardStep needs at least one reward function")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"reward.batch_size must be > 0, got {batch_size}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
         self.fns, self.placement, self.batch_size, self.tokenizer = list(fns), placement, batch_size, tokenizer
+        self.timeout_s = timeout_s  # bounds each in-process reward call (None: unbounded)
 
     def __call__(self, samples: Samples) -> tuple[list[Reward], StepStats]:
+        """Synchronous: gather, score, validate, scatter (one chunk round)."""
         if self.placement == "main":
             return self._main(samples)
         if self.placement == "local":
@@ -228,7 +290,9 @@ class RewardStep:
             assert gathered is not None
             batch, counts = concat_shards(gathered)
             try:
-                rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size)
+                rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
+                                               timeout_s=self.timeout_s)
+                stats.time_wait = stats.time_reward
                 payload = [("ok", mine) for mine in split_by_counts(rewards, counts)]
             except Exception as e:  # every failure is reported to every rank, then raised there
                 payload = [("error", Failure.of(e, 0))] * len(counts)
@@ -247,7 +311,8 @@ class RewardStep:
         rewards: list[Reward] = []
         stats = StepStats()
         try:
-            rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size)
+            rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size,
+                                           timeout_s=self.timeout_s)
         except Exception as e:
             failure = Failure.of(e, dist.rank())
         # Even on success every rank takes part in this exchange: that is what lets a failure on one
@@ -269,7 +334,8 @@ class RewardStep:
         rewards: list[Reward] = []
         stats = StepStats()
         try:
-            allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size)
+            allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
+                                        timeout_s=self.timeout_s)
             rewards = split_by_counts(allr, counts)[dist.rank()]
         except Exception as e:
             failure = Failure.of(e, dist.rank())
@@ -280,3 +346,97 @@ class RewardStep:
         if dist.rank() != 0:  # one joint call per micro-batch: count it once (stats are summed over ranks)
             stats.calls, stats.samples, stats.time_reward = 0, 0, 0.0
         return rewards, stats
+
+    # --- overlap: submit each round without waiting, collect once ---------------------------------
+    def submit(self, samples: Samples) -> "RewardHandle":
+        """Start scoring one chunk round; returns at once (a collective: every rank calls it every round).
+
+        The samples are gathered to the main rank (the only blocking part, as in the synchronous step),
+        which hands the batch to a background thread and returns; every rank goes on generating.
+        ``collect`` waits for the results, validates them and scatters them. Only with ``main``
+        placement and reward functions that never touch the global RNG (``RemoteReward``): the
+        background call cannot run inside ``isolated_rng()`` (see ``score_samples``).
+        """
+        from .. import dist
+
+        self._check_overlap()
+        t0 = time.perf_counter()
+        gathered = dist.gather_objects(samples, dst=0)
+        handle = RewardHandle(len(samples), time_gather=time.perf_counter() - t0)
+        if dist.is_main():
+            assert gathered is not None
+            batch, handle.counts = concat_shards(gathered)
+            handle.future = self._pool().submit(score_samples, self.fns, batch, self.tokenizer, self.batch_size,
+                                                0, False)
+        return handle
+
+    def collect(self, handles: Sequence["RewardHandle"]) -> list[tuple[list[Reward], StepStats]]:
+        """Wait for every submitted round, validate, and scatter ONCE; returns ``(rewards, stats)`` per
+        handle, in order. A failure in any round raises the same ``RewardError`` (with its cause) on
+        every rank. ``time_wait`` (on the last round's stats) is the time the main rank was blocked."""
+        from .. import dist
+
+        handles = list(handles)
+        stats = [StepStats(time_gather=h.time_gather) for h in handles]
+        payload: list[Any] | None = None
+        t_wait = 0.0
+        if dist.is_main():
+            t0 = time.perf_counter()
+            per_rank: list[list[list[Reward]]] = [[] for _ in range(dist.world_size())]
+            failure: Failure | None = None
+            for h, st in zip(handles, stats):
+                assert h.future is not None and h.counts is not None, "collect() takes the handles of submit()"
+                try:
+                    rewards, s = h.future.result()
+                except Exception as e:  # keep waiting for the others: no thread is left running on exit
+                    failure = failure or Failure.of(e, 0)
+                    continue
+                st.calls, st.samples, st.time_reward = s.calls, s.samples, s.time_reward
+                for r, mine in enumerate(split_by_counts(rewards, h.counts)):
+                    per_rank[r].append(mine)
+            t_wait = time.perf_counter() - t0
+            payload = ([("error", failure)] * len(per_rank) if failure is not None
+                       else [("ok", mine) for mine in per_rank])
+        t1 = time.perf_counter()
+        status, mine = dist.scatter_objects(payload, src=0)
+        if stats:
+            stats[-1].time_gather += time.perf_counter() - t1
+            stats[-1].time_wait = t_wait
+        if status == "error":
+            raise RewardError.from_failures([mine])
+        assert len(mine) == len(handles) and all(len(m) == h.n for m, h in zip(mine, handles))
+        return list(zip(mine, stats))
+
+    def _check_overlap(self) -> None:
+        from .client import RemoteReward
+
+        if self.placement != "main":
+            raise ValueError(f"reward overlap (submit/collect) needs placement 'main', not {self.placement!r}")
+        local = [nf.name for nf in self.fns if not isinstance(nf.fn, RemoteReward)]
+        if local:
+            raise ValueError(f"reward overlap needs remote reward functions (RemoteReward); {local} run in this "
+                             f"process, where a background call would race with generation on the global RNG")
+
+    def _pool(self) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if getattr(self, "_executor", None) is None:
+            # Several rounds in flight at once: a batching server merges them into fewer calls.
+            self._executor = ThreadPoolExecutor(8, thread_name_prefix="rallyrl-reward-overlap")
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the background threads of ``submit`` (if any)."""
+        ex, self._executor = getattr(self, "_executor", None), None
+        if ex is not None:
+            ex.shutdown(wait=True)
+
+
+@dataclass
+class RewardHandle:
+    """One submitted chunk round (``RewardStep.submit``)."""
+
+    n: int  # this rank's sample count in the round
+    time_gather: float = 0.0
+    counts: list[int] | None = None  # main rank: per-rank counts
+    future: Any = None  # main rank: concurrent.futures.Future of score_samples

@@ -223,3 +223,10 @@ def slow_hashed(samples, prompts, outputs, **kwargs):
     """`hashed`, slowly (a window for sending the run a signal mid-iteration)."""
     time.sleep(float(os.environ.get("RALLYRL_TEST_SLEEP", "0.5")))
     return [deterministic_score(p, o) for p, o in zip(prompts, outputs)]
+
+
+def hashed_slow(samples, prompts, outputs, **kwargs):
+    """`hashed`, after sleeping RALLYRL_TEST_REWARD_SLEEP seconds per call (default 0.3): a slow reward
+    model, for kill-and-restart tests and the overlap benchmark."""
+    time.sleep(float(os.environ.get("RALLYRL_TEST_REWARD_SLEEP", "0.3")))
+    return hashed(samples, prompts, outputs, **kwargs)
