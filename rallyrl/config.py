@@ -41,6 +41,30 @@ def _f(default: Any, doc: str, **kw: Any) -> Any:
 
 
 @dataclass
+class LoraConfig:
+    r: int = _f(8, "LoRA rank (`model.reference: lora`).")
+    alpha: float = _f(16.0, "LoRA scaling numerator: the adapter's update is scaled by `alpha / r`.")
+    dropout: float = _f(
+        0.0,
+        "peft's `lora_dropout`. Only 0 is accepted: rallyrl runs the policy with dropout off (as TRL/OpenRLHF "
+        "PPO), so the rollout's log-probs and the first PPO step's agree; the key exists so peft/trlx configs port.",
+    )
+    target_modules: str | list[str] = _f(
+        "all-linear",
+        "Modules that get an adapter: `all-linear` (peft: every linear layer but the LM head; GPT-2's Conv1D "
+        "layers included) or a list of module-name suffixes, e.g. `[q_proj, v_proj]` (Llama) or `[c_attn]` (GPT-2).",
+    )
+    merge_on_save: bool = _f(
+        False,
+        "Also write a merged model (adapter folded into the weights) to `final/`, loadable with plain "
+        "`AutoModelForCausalLM.from_pretrained`; the adapter then goes to `final/adapter/`.",
+    )
+
+
+REFERENCES = ("copy", "shared", "lora")
+
+
+@dataclass
 class ModelConfig:
     path: str = _f("", "Local Hugging Face model folder (config + weights + tokenizer) of the policy.")
     tokenizer_path: str | None = _f(None, "Tokenizer folder, if it is not `model.path`.")
@@ -59,6 +83,17 @@ class ModelConfig:
     value_head_std: float = _f(
         0.0, "Init std of the value head's last layer (0 = zeros, so the first values are 0)."
     )
+    reference: Literal[REFERENCES] = _f(  # type: ignore[valid-type]
+        "copy",
+        "Reference policy of the KL penalty: `copy` (a full frozen copy), `shared` (only the top "
+        "`model.num_layers_unfrozen` blocks train; the reference is a frozen copy of just those over the shared "
+        "frozen trunk) or `lora` (a LoRA adapter trains; the reference is the model with the adapter disabled). "
+        "See docs/models.md.",
+    )
+    num_layers_unfrozen: int = _f(
+        2, "`model.reference: shared`: how many top transformer blocks train (1 .. the model's layer count)."
+    )
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "`model.reference: lora` settings (below)."})
 
 
 @dataclass
@@ -481,6 +516,16 @@ def validate(cfg: Config) -> None:
     positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     positive("dist.timeout_s", cfg.dist.timeout_s)
+    positive("model.num_layers_unfrozen", cfg.model.num_layers_unfrozen)
+    positive("model.lora.r", cfg.model.lora.r)
+    positive("model.lora.alpha", cfg.model.lora.alpha)
+    if cfg.model.lora.dropout != 0:
+        raise ConfigError(f"model.lora.dropout must be 0, got {cfg.model.lora.dropout}: the policy runs with dropout "
+                          f"off so the rollout's log-probs and the first PPO step's agree (ratio 1)")
+    tm = cfg.model.lora.target_modules
+    if (isinstance(tm, str) and tm != "all-linear") or (isinstance(tm, list) and (not tm or "" in tm)):
+        raise ConfigError(f"model.lora.target_modules must be 'all-linear' or a non-empty list of module names, "
+                          f"got {tm!r}")
     if cfg.reward.fn and cfg.reward.fns:
         raise ConfigError("set either reward.fn or reward.fns, not both")
     r = cfg.reward
@@ -660,6 +705,8 @@ def _default_repr(f: dataclasses.Field) -> str:
         return "null" if f.default is None else yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         v = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(v):
+            return "see below"
         return yaml.safe_dump(v, default_flow_style=True).strip()
     return ""
 
@@ -684,6 +731,13 @@ def config_markdown() -> str:
                 f"| `{section.name}.{f.name}` | {tp} | `{_default_repr(f)}` | {f.metadata.get('doc', '')} |"
             )
         lines.append("")
+        if cls is ModelConfig:
+            lines += ["`model.lora`:", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+            lh = typing.get_type_hints(LoraConfig)
+            for f in dataclasses.fields(LoraConfig):
+                tp = _type_name(lh[f.name]).replace("|", "\\|")
+                lines.append(f"| `model.lora.{f.name}` | {tp} | `{_default_repr(f)}` | {f.metadata.get('doc', '')} |")
+            lines.append("")
         if cls is RewardConfig:
             lines += ["Each entry of `reward.fns`:", "", "| key | type | default | meaning |", "|---|---|---|---|"]
             sh = typing.get_type_hints(RewardFnSpec)

@@ -28,7 +28,7 @@ class Learner:
 
     @staticmethod
     def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int) -> "Learner":
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay)
+        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, functools.partial(ops.lr_multiplier, total=total_steps, warmup=ppo.warmup_steps,
                                          kind=ppo.lr_schedule))

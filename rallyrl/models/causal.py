@@ -10,6 +10,7 @@ import copy
 import inspect
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,9 +23,11 @@ from .base import make_value_head
 class CausalPolicy(nn.Module):
     """A causal LM plus a scalar value head on its last hidden state (one forward gives both)."""
 
-    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str = "linear") -> None:
+    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str = "linear",
+                 save: Callable[[nn.Module, Path], None] | None = None) -> None:
         super().__init__()
         self.lm = lm
+        self._save = save  # how final/ is written when the LM is not a plain transformers model (LoRA)
         self.v_head = make_value_head(lm.config.get_text_config().hidden_size, head, value_head_std, seed,
                                       next(lm.parameters()).dtype)
 
@@ -50,7 +53,10 @@ class CausalPolicy(nn.Module):
         return out[:, query.shape[1] :]  # (B, T'): a causal LM echoes the query first
 
     def save_pretrained(self, out: Path) -> None:
-        self.lm.save_pretrained(out, safe_serialization=True)
+        if self._save is not None:
+            self._save(self.lm, Path(out))
+        else:
+            self.lm.save_pretrained(out, safe_serialization=True)
 
 
 class CopyReference(nn.Module):
@@ -76,6 +82,7 @@ def _causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor
     ids = torch.cat([query, response], 1)  # (B, Q+T)
     mask = torch.cat([query_mask, response_mask], 1)  # (B, Q+T)
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
-    keep = "logits_to_keep" in inspect.signature(lm.forward).parameters
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a PEFT model passes kwargs through
+    keep = "logits_to_keep" in inspect.signature(base.forward).parameters
     return lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=hidden_states,
               use_cache=False, **({"logits_to_keep": response.shape[1] + 1} if keep else {}))

@@ -6,6 +6,7 @@ Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) resp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from .base import Policy, Reference
 from .causal import CausalPolicy, CopyReference
+from .reference import save_lora, setup_lora, setup_shared
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                     "spiece.model")
@@ -120,6 +122,14 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedMod
     # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
     # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
     lm.eval()
-    reference = CopyReference(lm)
-    policy = CausalPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
+    save = None
+    reference: Reference
+    if cfg.reference == "shared":
+        reference = setup_shared(lm, cfg.num_layers_unfrozen)  # freezes the policy below its top blocks
+    elif cfg.reference == "lora":
+        lm, reference = setup_lora(lm, cfg.lora)  # only the adapter trains
+        save = functools.partial(save_lora, merge=cfg.lora.merge_on_save)
+    else:
+        reference = CopyReference(lm)
+    policy = CausalPolicy(lm, cfg.value_head_std, seed, cfg.value_head, save=save).eval()
     return LoadedModels(policy=policy, reference=reference, tokenizer=tok)

@@ -1,0 +1,184 @@
+"""The two memory-saving references of causal LMs: ``shared`` (trlx's "hydra") and ``lora`` (adapter off).
+
+Both set up the policy's LM (what trains) and return the ``Reference``; ``loading.load_models`` picks
+them from ``model.reference`` (``copy`` is ``causal.CopyReference``).
+
+- ``shared``: only the top ``k = model.num_layers_unfrozen`` blocks, the final norm and the LM head train;
+  the embeddings and every block below are frozen and shared. The reference is a frozen copy of the top
+  ``k`` blocks + final norm + head, run on the shared trunk's hidden state, so the trunk is held once
+  (trlx ``modeling_ppo.py``: ``AutoModelForCausalLMWithHydraValueHead``). Unlike trlx's hydra, the
+  embeddings are frozen even when ``k`` is every layer, and a head tied to the input embeddings is untied
+  (the policy trains its own copy; the reference reads the frozen embedding matrix): trlx's reference
+  read trainable embeddings there, so its "frozen" reference drifted.
+- ``lora``: a PEFT LoRA adapter on the LM; only adapter weights (and the value head) train; the reference
+  is the same model under ``disable_adapter()``: no second copy at all.
+
+Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) response length, ``V`` vocab,
+``H`` hidden size, ``S = Q + T``.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .. import ops
+from ..config import ConfigError, LoraConfig
+from .causal import _causal_forward
+
+# model_type -> (path of the block list, path of the final norm). Others with the same layout
+# (Mistral, Qwen2...) may differ in details (logit soft-capping, scaled heads), so they are refused
+# rather than guessed at.
+_LAYOUTS = {"gpt2": ("transformer.h", "transformer.ln_f"), "llama": ("model.layers", "model.norm")}
+
+
+class _TrunkDone(Exception):
+    """Raised by the hook on the first reference block: the trunk's work is done."""
+
+
+def _get(module: nn.Module, dotted: str) -> Any:
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _layout(lm: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
+    model_type = lm.config.model_type
+    if model_type not in _LAYOUTS:
+        raise ConfigError(
+            f"model.reference: shared supports the architectures {sorted(_LAYOUTS)}; this model is "
+            f"{model_type!r} ({type(lm).__name__}). Use model.reference: copy or lora"
+        )
+    blocks_path, norm_path = _LAYOUTS[model_type]
+    return _get(lm, blocks_path), _get(lm, norm_path)
+
+
+class SharedReference(nn.Module):
+    """Frozen copies of the top blocks + final norm + head, over the policy LM's frozen trunk.
+
+    ``logprobs`` runs the policy LM (``causal._causal_forward``: same positions, masks and left padding
+    as the policy) under ``no_grad`` with a pre-hook on its first unfrozen block that captures that
+    block's inputs (hidden state and the kwargs the model computed: causal mask, rotary position
+    embeddings, position ids) and stops the forward there, so the trunk runs once and the trainable
+    blocks not at all. The captured inputs then go through the frozen copies.
+    """
+
+    def __init__(self, lm: nn.Module, num_layers_unfrozen: int) -> None:
+        super().__init__()
+        blocks, norm = _layout(lm)
+        L, k = len(blocks), num_layers_unfrozen
+        if not 1 <= k <= L:
+            raise ConfigError(f"model.num_layers_unfrozen must be between 1 and the model's {L} layers, got {k}")
+        self._lm = [lm]  # a list: the trunk belongs to the policy, not to this module's parameters
+        self._first = blocks[L - k]
+        self.blocks = copy.deepcopy(blocks[L - k :]).eval().requires_grad_(False)
+        self.norm = copy.deepcopy(norm).eval().requires_grad_(False)
+        head, emb = lm.get_output_embeddings(), lm.get_input_embeddings()
+        self.tied = head.weight is emb.weight
+        # A tied head's weight is the (frozen) input embedding matrix: read it there, copy nothing.
+        self.head = None if self.tied else copy.deepcopy(head).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                 response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+        lm, T = self._lm[0], response.shape[1]
+        captured: dict[str, Any] = {}
+
+        def stop(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            captured.update(args=args, kwargs=kwargs)
+            raise _TrunkDone
+
+        handle = self._first.register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            _causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False)
+        except _TrunkDone:
+            pass
+        finally:
+            handle.remove()
+        if not captured:
+            raise RuntimeError("shared reference: the policy's forward never reached its first unfrozen block")
+        h, rest, kwargs = captured["args"][0], captured["args"][1:], captured["kwargs"]  # h: (B, S, H)
+        for block in self.blocks:
+            h = block(h, *rest, **kwargs)
+            h = h[0] if isinstance(h, tuple) else h  # blocks of older transformers return tuples
+        h = self.norm(h[:, -(T + 1) : -1])  # (B, T, H): position t-1 predicts response token t
+        if self.tied:
+            logits = F.linear(h, lm.get_input_embeddings().weight)  # (B, T, V)
+        else:
+            logits = self.head(h)  # (B, T, V)
+        return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
+
+
+def setup_shared(lm: nn.Module, num_layers_unfrozen: int) -> SharedReference:
+    """Build the reference from the initial LM, then freeze the policy LM below its top blocks."""
+    reference = SharedReference(lm, num_layers_unfrozen)
+    blocks, norm = _layout(lm)
+    lm.requires_grad_(False)
+    for block in blocks[len(blocks) - num_layers_unfrozen :]:
+        block.requires_grad_(True)
+    norm.requires_grad_(True)
+    head = lm.get_output_embeddings()
+    if reference.tied:
+        # Untie: the policy's head trains its own copy; the input embeddings stay frozen (the trunk, and
+        # so the reference, never reads a trained weight). final/ then holds both matrices.
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        lm.config.tie_word_embeddings = False
+        lm.config.get_text_config().tie_word_embeddings = False
+    head.requires_grad_(True)
+    return reference
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA
+
+
+class LoraReference(nn.Module):
+    """The policy's own PEFT model with its adapter disabled: the base weights, which never train."""
+
+    def __init__(self, peft_lm: nn.Module) -> None:
+        super().__init__()
+        self._lm = [peft_lm]  # not a submodule: the weights are the policy's
+
+    @torch.no_grad()
+    def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                 response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+        lm, T = self._lm[0], response.shape[1]
+        with lm.disable_adapter():
+            logits = _causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False).logits
+        return ops.logprobs_from_logits(logits[:, -(T + 1) : -1].float() / temperature, response)  # (B, T)
+
+
+def setup_lora(lm: nn.Module, cfg: LoraConfig) -> tuple[nn.Module, LoraReference]:
+    """Wrap ``lm`` in a PEFT LoRA model (only the adapter trains); returns it and its reference."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("model.reference: lora needs peft: pip install 'rallyrl[lora]'") from None
+    target = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
+    lora = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target,
+                           task_type="CAUSAL_LM")
+    try:
+        peft_lm = peft.get_peft_model(lm, lora)
+    except ValueError as e:  # e.g. target modules not found in the model
+        raise ConfigError(f"model.lora.target_modules: {e}") from None
+    peft_lm.eval()
+    return peft_lm, LoraReference(peft_lm)
+
+
+def save_lora(peft_lm: nn.Module, out: Path, merge: bool) -> None:
+    """``final/``: the adapter (``save_pretrained`` of the PEFT model); with ``merge`` the merged model
+    goes to ``final/`` and the adapter to ``final/adapter/`` (transformers would load an adapter config
+    found next to a model's config.json on top of it, applying the adapter twice)."""
+    if not merge:
+        peft_lm.save_pretrained(out, safe_serialization=True)
+        return
+    peft_lm.save_pretrained(out / "adapter", safe_serialization=True)
+    # merge_and_unload() folds the adapter into the wrapped model in place: merge a copy, so the policy
+    # stays trainable (final/ is written at the end of training; the copy is freed right after).
+    merged = copy.deepcopy(peft_lm).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
