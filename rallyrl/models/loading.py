@@ -16,6 +16,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from .base import Policy, Reference
 from .causal import CausalPolicy, CopyReference
+from .seq2seq import Seq2SeqCopyReference, Seq2SeqPolicy
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                     "spiece.model")
@@ -33,7 +34,7 @@ def max_positions(config: object) -> int | None:
 
 @dataclass
 class LoadedModels:
-    policy: CausalPolicy  # a Policy (nn.Module)
+    policy: CausalPolicy | Seq2SeqPolicy  # a Policy (nn.Module)
     reference: Reference
     tokenizer: Any
 
@@ -110,16 +111,22 @@ def check_model_folder(cfg: ModelConfig) -> None:
 def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedModels:
     """The one loader: policy (with value head) and reference for ``model.arch``, and the tokenizer
     (``tokenizer`` if already loaded). The trainer never names a model class."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)  # the folder was checked with the inputs
+    auto, what = ((AutoModelForSeq2SeqLM, "seq2seq LM (model.arch: seq2seq)") if cfg.arch == "seq2seq"
+                  else (AutoModelForCausalLM, "causal LM (model.arch: causal)"))
     try:
-        lm = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
+        lm = auto.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
     except Exception as e:
-        raise ModelLoadError(f"model.path: could not load a causal LM from {cfg.path}: {e}") from None
+        raise ModelLoadError(f"model.path: could not load a {what} from {cfg.path}: {e}") from None
     # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
     # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
     lm.eval()
-    reference = CopyReference(lm)
-    policy = CausalPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
+    if cfg.arch == "seq2seq":
+        reference: Reference = Seq2SeqCopyReference(lm)
+        policy: CausalPolicy | Seq2SeqPolicy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
+    else:
+        reference = CopyReference(lm)
+        policy = CausalPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
     return LoadedModels(policy=policy, reference=reference, tokenizer=tok)
