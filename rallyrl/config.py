@@ -68,6 +68,11 @@ REFERENCES = ("copy", "shared", "lora")
 class ModelConfig:
     path: str = _f("", "Local Hugging Face model folder (config + weights + tokenizer) of the policy.")
     tokenizer_path: str | None = _f(None, "Tokenizer folder, if it is not `model.path`.")
+    arch: Literal["causal", "seq2seq"] = _f(
+        "causal",
+        "Model type: `causal` (`AutoModelForCausalLM`, query and response as one sequence) or `seq2seq` "
+        "(`AutoModelForSeq2SeqLM`, e.g. T5: the encoder reads the query, the decoder writes the response).",
+    )
     prepare: str | None = _f(
         None,
         "Import path (`pkg.mod:attr` or `file.py:attr`) of `fn(path)`, called with `model.path` before the "

@@ -10,7 +10,9 @@ model type means implementing the two protocols and choosing it in ``loading.loa
 
 from .base import Policy, Reference, make_value_head
 from .causal import CausalPolicy, CopyReference
+from .seq2seq import Seq2SeqCopyReference, Seq2SeqPolicy
 from .loading import LoadedModels, ModelLoadError, check_model_folder, load_models, load_tokenizer, max_positions
 
 __all__ = ["CausalPolicy", "CopyReference", "LoadedModels", "ModelLoadError", "Policy", "Reference",
+           "Seq2SeqCopyReference", "Seq2SeqPolicy",
            "check_model_folder", "load_models", "load_tokenizer", "make_value_head", "max_positions"]

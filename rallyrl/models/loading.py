@@ -18,6 +18,7 @@ from ..config import ConfigError, ModelConfig
 from .base import Policy, Reference
 from .causal import CausalPolicy, CopyReference
 from .reference import save_lora, setup_lora, setup_shared
+from .seq2seq import Seq2SeqCopyReference, Seq2SeqPolicy
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                     "spiece.model")
@@ -35,7 +36,7 @@ def max_positions(config: object) -> int | None:
 
 @dataclass
 class LoadedModels:
-    policy: CausalPolicy  # a Policy (nn.Module)
+    policy: CausalPolicy | Seq2SeqPolicy  # a Policy (nn.Module)
     reference: Reference
     tokenizer: Any
 
@@ -112,18 +113,28 @@ def check_model_folder(cfg: ModelConfig) -> None:
 def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedModels:
     """The one loader: policy (with value head) and reference for ``model.arch``, and the tokenizer
     (``tokenizer`` if already loaded). The trainer never names a model class."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)  # the folder was checked with the inputs
+    auto, what = ((AutoModelForSeq2SeqLM, "seq2seq LM (model.arch: seq2seq)") if cfg.arch == "seq2seq"
+                  else (AutoModelForCausalLM, "causal LM (model.arch: causal)"))
     try:
-        lm = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
+        lm = auto.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
     except Exception as e:
-        raise ModelLoadError(f"model.path: could not load a causal LM from {cfg.path}: {e}") from None
+        raise ModelLoadError(f"model.path: could not load a {what} from {cfg.path}: {e}") from None
     # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
     # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
     lm.eval()
-    save = None
     reference: Reference
+    policy: CausalPolicy | Seq2SeqPolicy
+    if cfg.arch == "seq2seq":
+        if cfg.reference != "copy":
+            raise ConfigError(f"model.reference={cfg.reference!r} is implemented for model.arch=causal only; "
+                              f"use model.reference=copy with model.arch=seq2seq")
+        reference = Seq2SeqCopyReference(lm)
+        policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
+        return LoadedModels(policy=policy, reference=reference, tokenizer=tok)
+    save = None
     if cfg.reference == "shared":
         reference = setup_shared(lm, cfg.num_layers_unfrozen)  # freezes the policy below its top blocks
     elif cfg.reference == "lora":

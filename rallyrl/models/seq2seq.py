@@ -1,0 +1,87 @@
+"""Encoder-decoder LMs (``AutoModelForSeq2SeqLM``, e.g. T5): the policy with a value head and the
+full-copy reference.
+
+The encoder reads the left-padded query (T5's relative attention ignores absolute positions and the
+attention mask hides the pads, so left padding is exact; tests/smoke/test_seq2seq.py checks it). The
+decoder is teacher-forced on ``decoder_start_token + response[:-1]``, so decoder position t predicts
+response token t; no query tokens are ever concatenated with the response.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import ops
+from .base import make_value_head
+
+
+class Seq2SeqPolicy(nn.Module):
+    """A seq2seq LM plus a scalar value head on the decoder's last hidden state."""
+
+    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str = "linear") -> None:
+        super().__init__()
+        self.lm = lm
+        hidden = getattr(lm.config, "d_model", None) or lm.config.get_text_config().hidden_size
+        self.v_head = make_value_head(hidden, head, value_head_std, seed, next(lm.parameters()).dtype)
+
+    def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = _seq2seq_forward(self.lm, query, query_mask, response, response_mask, hidden_states=True)
+        hidden = out.decoder_hidden_states[-1]  # (B, T, H): the state in which response token t is chosen
+        return out.logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
+
+    @torch.no_grad()
+    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
+        hf_log = logging.getLogger("transformers.modeling_utils")  # same benign mask warning as causal
+        level = hf_log.level
+        hf_log.setLevel(logging.ERROR)
+        try:
+            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, **sampling)
+        finally:
+            hf_log.setLevel(level)
+        return out[:, 1:]  # (B, T'): generate returns decoder ids, starting with the decoder-start token
+
+    def save_pretrained(self, out: Path) -> None:
+        self.lm.save_pretrained(out, safe_serialization=True)
+
+
+class Seq2SeqCopyReference(nn.Module):
+    """The reference as a full frozen copy of the initial seq2seq LM."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = copy.deepcopy(lm).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                 response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+        logits = _seq2seq_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
+        return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
+
+
+def decoder_start_id(lm: nn.Module) -> int:
+    """The decoder-start token (T5: the pad token), from the model's generation or model config."""
+    for c in (getattr(lm, "generation_config", None), lm.config):
+        v = getattr(c, "decoder_start_token_id", None) if c is not None else None
+        if v is not None:
+            return int(v)
+    raise ValueError("the seq2seq model sets no decoder_start_token_id (config.json or generation_config.json)")
+
+
+def _seq2seq_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                     response_mask: torch.Tensor, hidden_states: bool) -> Any:
+    """Encode the query, decode ``[start | response[:-1]]`` (teacher forcing) with the response mask
+    shifted the same way (the start token is always real). Right padding of the response is causal-safe:
+    pads come after every real token, and their outputs are masked by the loop."""
+    B = response.shape[0]
+    start = torch.full((B, 1), decoder_start_id(lm), dtype=response.dtype, device=response.device)
+    dec_ids = torch.cat([start, response[:, :-1]], 1)  # (B, T)
+    dec_mask = torch.cat([torch.ones_like(response_mask[:, :1]), response_mask[:, :-1]], 1)  # (B, T)
+    return lm(input_ids=query, attention_mask=query_mask, decoder_input_ids=dec_ids,
+              decoder_attention_mask=dec_mask, output_hidden_states=hidden_states, use_cache=False)
