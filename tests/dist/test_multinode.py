@@ -84,3 +84,20 @@ def test_dead_worker_on_one_node_ends_the_other(tiny_model, tmp_path):
     assert err0.strip().splitlines()[-1].startswith("rallyrl: "), err0[-2000:]
     assert "rank 0" in err0.strip().splitlines()[-1], err0[-2000:]
     assert elapsed < 60, elapsed
+
+
+def test_torchrun_two_nodes(tiny_model, tmp_path):
+    """`torchrun --nnodes 2` on each "node": rallyrl runs as its worker; the reward host is global rank 0."""
+    cfg = base_config(tiny_model, tmp_path / "run", train={"iterations": 1}, rollout={"num_rollouts": 5})
+    path, port = write_config(tmp_path / "c.yaml", cfg), _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               "-m", "rallyrl.cli", "train", str(path)],
+                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    for p in procs:
+        _, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert {r["index"] for r in rows if r["rank"] == 0} == {0, 1, 2}
+    assert {r["index"] for r in rows if r["rank"] == 1} == {3, 4}
