@@ -78,19 +78,34 @@ def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="how many processes to start on this machine (default 1)")
+    nodes = p.add_argument_group("several machines (run the same command on each; docs/scaling.md)")
+    nodes.add_argument("--nnodes", type=_positive_int, default=1, metavar="M",
+                       help="how many machines the job spans (default 1); the world size is M * N")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="R",
+                       help="this machine's index, 0..M-1; node 0 runs global rank 0, the reward host")
+    nodes.add_argument("--master-addr", default=None, metavar="HOST",
+                       help="node 0's address, the same on every node (required with --nnodes > 1)")
+    nodes.add_argument("--master-port", type=_positive_int, default=None, metavar="P",
+                       help="a free port on node 0, the same on every node (required with --nnodes > 1)")
     return p
 
 
 def _train_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
-    if args.nproc > 1 and not _under_launcher():
-        from .launch import launch
+    if (args.nproc > 1 or args.nnodes > 1) and not _under_launcher():
+        from .launch import Nodes, launch
 
-        preflight(cfg, args.nproc, quiet=True)  # every check a worker makes, before any worker exists
+        try:
+            nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # every check a worker makes, for the GLOBAL world size, before any worker exists; a node other
+        # than 0 skips the run-dir check: node 0 may already have started writing the shared run_dir
+        preflight(cfg, args.nproc * args.nnodes, quiet=True, run_dir=nodes.node_rank == 0)
         worker_args = ["rallyrl.cli", "train", args.config]
         for o in args.overrides:
             worker_args += ["--set", o]
-        return launch(worker_args, args.nproc)
+        return launch(worker_args, args.nproc, nodes)
     from .trainer import train
 
     from . import dist
@@ -107,7 +122,7 @@ def _train_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def preflight(cfg: Any, nproc: int, quiet: bool = False) -> Any:
+def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True) -> Any:
     """What ``check`` and the ``--nproc N`` launcher verify before anything starts: the run's inputs for
     ``nproc`` processes (``prepare_inputs``: batch plan, prompt files, reward and metric imports, model
     folder, tokenizer) and the checkpoint that ``train.resume`` names. Returns the ``Inputs``.
@@ -120,6 +135,8 @@ def preflight(cfg: Any, nproc: int, quiet: bool = False) -> Any:
     from .tracking import RunDir
 
     inp = prepare_inputs(cfg, nproc)
+    if not run_dir:
+        return inp
     # may a run start in train.run_dir (or resume it, with this config)? read-only, like the rest
     RunDir.check_start(Path(cfg.train.run_dir), cfg, eval_steps(cfg) if inp.eval_records else [])
     if cfg.train.resume not in (None, "auto"):  # `auto` falls back to a fresh start: nothing to fail

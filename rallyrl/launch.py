@@ -18,7 +18,14 @@ container stop) the workers kept running. This launcher keeps the job's life in 
   the root cause whatever the others said after it. Healthy ranks get ``FAIL_GRACE_S`` to stop on their
   own (the reward step's failure is collective), then SIGKILL.
 
-For several machines use ``torchrun`` or ``accelerate launch`` directly (README, "Several processes").
+Several machines (``--nnodes M --node-rank R --master-addr HOST --master-port P``): run the same
+command on every machine, each with its own ``--node-rank``. This launcher then starts its ``N`` local
+workers as global ranks ``R * N .. R * N + N - 1`` of a world of ``M * N`` (``NODE_RANK``/``GROUP_RANK`` =
+R); they rendezvous at ``HOST:P``, where global rank 0 (node 0's first worker, the reward host) holds the
+process group's store. Each node's launcher watches only its own workers: a worker dying on one node makes
+its peers on the other nodes fail in their next collective (at once when the connection drops, at worst
+after ``dist.timeout_s``), and each launcher prints its own first failure naming the rank (docs/scaling.md).
+``torchrun --nnodes`` and ``accelerate launch --num_machines`` work too: rallyrl runs as their worker.
 """
 
 from __future__ import annotations
@@ -94,16 +101,48 @@ def _signal_group(w: _Worker, sig: int) -> None:
         pass
 
 
-def launch(module_args: list[str], nproc: int) -> int:
-    """Run ``python -m <module_args>`` as ``nproc`` ranks of one job on this machine; return the exit
-    code (0, the first failing worker's code, or 128 + the signal that stopped the job)."""
+@dataclass(frozen=True)
+class Nodes:
+    """Where this machine's workers sit in a job over ``nnodes`` machines (one machine by default)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # default 127.0.0.1 on one machine; required for several
+    master_port: int | None = None  # default a free port on one machine; required for several
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} for --nnodes {self.nnodes}, "
+                             f"got {self.node_rank}")
+        if self.nnodes > 1 and (not self.master_addr or not self.master_port):
+            raise ValueError(f"--nnodes {self.nnodes} needs --master-addr and --master-port: the address and "
+                             f"a free port of node 0's machine, the same on every node")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be in 1..65535, got {self.master_port}")
+
+
+def worker_env(nproc: int, nodes: Nodes, local_rank: int) -> dict[str, str]:
+    """The ``torchrun`` variables of one worker: global rank = node_rank * nproc + local_rank."""
+    rank = nodes.node_rank * nproc + local_rank
+    world = nodes.nnodes * nproc
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(world), "ROLE_WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(nodes.node_rank), "NODE_RANK": str(nodes.node_rank)}
+
+
+def launch(module_args: list[str], nproc: int, nodes: Nodes | None = None) -> int:
+    """Run ``python -m <module_args>`` as ``nproc`` ranks of one job on this machine (this node's share
+    of the job when ``nodes`` spans several); return the exit code (0, the first failing worker's code,
+    or 128 + the signal that stopped the job)."""
+    nodes = nodes or Nodes()
     report_dir = Path(tempfile.mkdtemp(prefix="rallyrl-launch-"))
     base = dict(os.environ)
     # Split the cores between the processes (the trainer reads it through torch's defaults).
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    base.update({"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
-                 "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                 REPORT_DIR_ENV: str(report_dir)})
+    base.update({"MASTER_ADDR": nodes.master_addr or "127.0.0.1",
+                 "MASTER_PORT": str(nodes.master_port or _free_port()), REPORT_DIR_ENV: str(report_dir)})
     stop: list[int] = []  # the signals received, in order
     stop_at: list[float] = []
     sent_kill = False  # the SIGKILL after STOP_TIMEOUT_S / FAIL_GRACE_S, sent once
@@ -120,10 +159,10 @@ def launch(module_args: list[str], nproc: int) -> int:
     me = os.getpid()
     try:
         for r in range(nproc):
-            env = {**base, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)}
+            env = {**base, **worker_env(nproc, nodes, r)}
             proc = subprocess.Popen([sys.executable, "-m", *module_args], env=env, start_new_session=True,
                                     preexec_fn=lambda: _die_with(me))
-            workers.append(_Worker(r, proc))
+            workers.append(_Worker(nodes.node_rank * nproc + r, proc))
             if stop:  # a signal arrived while starting: the new worker gets it too
                 _signal_group(workers[-1], stop[0])
         first_failure_at: float | None = None
@@ -155,7 +194,7 @@ def launch(module_args: list[str], nproc: int) -> int:
                 os.killpg(w.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        code, line = _first_failure(workers, _read_reports(report_dir))
+        code, line = _first_failure(workers, _read_reports(report_dir), nodes)
         print(line, file=sys.stderr)
         return code
     finally:
@@ -164,9 +203,12 @@ def launch(module_args: list[str], nproc: int) -> int:
         shutil.rmtree(report_dir, ignore_errors=True)
 
 
-def _first_failure(workers: list[_Worker], reports: dict[int, dict]) -> tuple[int, str]:
+def _first_failure(workers: list[_Worker], reports: dict[int, dict], nodes: Nodes | None = None) -> tuple[int, str]:
     """The failure to show: a worker killed by a signal nobody here sent it (the others only noticed
-    it was gone), else the earliest reported error, else the earliest worker that exited non-zero."""
+    it was gone), else the earliest reported error, else the earliest worker that exited non-zero.
+    Over several nodes this launcher sees only its own workers: a report is always tagged with its rank
+    and node, since the cause may be a worker of another node (whose launcher names it)."""
+    nodes = nodes or Nodes()
     dead = [w for w in workers if w.proc.returncode < 0 and not w.signalled and w.rank not in reports]
     if dead:
         w = min(dead, key=lambda w: w.exited_at or 0.0)
@@ -178,8 +220,12 @@ def _first_failure(workers: list[_Worker], reports: dict[int, dict]) -> tuple[in
     if reports:
         r = min(reports.values(), key=lambda r: r["time"])
         line = r["line"]
-        same_everywhere = len(reports) == len(workers) and len({x["line"] for x in reports.values()}) == 1
-        if not same_everywhere and f"rank {r['rank']}" not in line:
+        same_everywhere = (nodes.nnodes == 1 and len(reports) == len(workers)
+                           and len({x["line"] for x in reports.values()}) == 1)
+        if nodes.nnodes > 1:
+            line += (f" (on rank {r['rank']}, node {nodes.node_rank} of {nodes.nnodes}; if a peer was lost, "
+                     f"the other nodes' output names the rank that stopped first)")
+        elif not same_everywhere and f"rank {r['rank']}" not in line:
             line += f" (on rank {r['rank']})"
         return int(r["code"]), line
     failed = [w for w in workers if w.proc.returncode > 0]
