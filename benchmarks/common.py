@@ -58,6 +58,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise BenchError(f"{path} does not exist: the run did not log any iteration")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("step", 1) >= 1]  # step 0 is the evaluation before training
     if not rows:
         raise BenchError(f"{path} is empty: the run did not log any iteration")
     return rows

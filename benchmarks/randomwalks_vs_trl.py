@@ -105,7 +105,8 @@ def rallyrl_overrides(model_dir: Path, run_dir: Path, iterations: int) -> list[s
 
 
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [m for m in rows if m["step"] >= 1]  # step 0 is the evaluation before training
 
 
 def rallyrl_summary(run_dir: Path) -> dict[str, Any]:
