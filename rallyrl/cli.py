@@ -119,6 +119,13 @@ def _train_main(args: argparse.Namespace) -> int:
                 raise
             raise translated from e
     dist.shutdown()  # leave the process group together with the other ranks (see dist.shutdown)
+    if _under_launcher():
+        # Rank 0 hosts the rendezvous store; its C++ threads can abort interpreter teardown
+        # ("terminate called without an active exception", exit 134) after a run that succeeded.
+        # Everything is written and closed by now: leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
