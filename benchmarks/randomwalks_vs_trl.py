@@ -58,6 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import ENV  # noqa: E402  (every benchmark process's environment)
+
 CONFIG = ROOT / "examples" / "randomwalks" / "config.yaml"
 EVAL_PROMPTS = ROOT / "examples" / "randomwalks" / "eval_prompts.txt"
 TRAIN_NODES = list("bcdefghijklmnopqrstu")  # data.prompts of config.yaml: every non-goal node
@@ -74,15 +76,6 @@ PROCESSES = {"trl1": 1, "trl1_nogc": 1, "trl2": 2, "rallyrl1": 1, "rallyrl2": 2}
 NAMES = {"trl1": "TRL PPOTrainer", "trl2": "TRL PPOTrainer", "rallyrl1": "rallyrl", "rallyrl2": "rallyrl",
          "trl1_nogc": "TRL PPOTrainer, its gc.collect() calls off (diagnostic)"}
 
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "ACCELERATE_MIXED_PRECISION": "no",
-}
 
 
 def rallyrl_overrides(model_dir: Path, run_dir: Path, iterations: int) -> list[str]:

@@ -68,7 +68,10 @@ def timeout_error(e: BaseException) -> CollectiveTimeoutError | None:
     operation timeout") translated to one line: which rank waited, in which stage, for how long, and
     what to change; None for any other error."""
     text = str(e)
-    if not isinstance(e, RuntimeError) or not any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout")):
+    # A StageError (e.g. a RewardError naming reward.timeout_s) is already a typed, agreed report.
+    if not isinstance(e, RuntimeError) or isinstance(e, StageError):
+        return None
+    if not any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout")):
         return None
     return CollectiveTimeoutError(
         f"rank {rank()} waited {_timeout_s:g} s (dist.timeout_s) for the other ranks in the {_stage} and gave "

@@ -51,3 +51,11 @@ def test_lr_multiplier_hand_values():
     assert ops.lr_multiplier(7, 10, 0, "constant") == 1.0
     with pytest.raises(ValueError, match="unknown lr schedule"):
         ops.lr_multiplier(1, 10, 0, "step")
+
+
+def test_collective_timeouts_are_translated_but_stage_errors_are_not():
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms for recv operation")
+    assert "waited" in str(dist.timeout_error(gloo))
+    # a typed report that merely names reward.timeout_s keeps its own type and message
+    assert dist.timeout_error(RewardError("reward step failed: exceeded reward.timeout_s=2")) is None
+    assert dist.timeout_error(ValueError("timeout")) is None
