@@ -159,10 +159,13 @@ class RunDir:
         return [n for n in OUTPUTS if n != "eval"] + [f"eval/step_{s}.jsonl" for s in eval_steps]
 
     # --- start writing (collective) --------------------------------------------------------------
-    def open(self, cfg: Config, resumed_from: Path | None, iteration: int) -> "RunWriter | None":
+    def open(self, cfg: Config, resumed_from: Path | None, iteration: int,
+             was_world_size: int | None = None) -> "RunWriter | None":
         """Main rank: a fresh start removes rallyrl's own earlier outputs and writes ``config.yaml``; a
         resume leaves ``config.yaml`` as first written and appends what changed, and at which iteration,
-        to ``config_history.jsonl``. Returns the writer there (None elsewhere). Every rank waits here."""
+        to ``config_history.jsonl`` (a resume on another number of processes than ``was_world_size``, the
+        checkpoint's, is recorded there too: from that iteration on the run is not bit-identical to an
+        uninterrupted one). Returns the writer there (None elsewhere). Every rank waits here."""
         writer = None
         if dist.is_main():
             self.path.mkdir(parents=True, exist_ok=True)
@@ -175,11 +178,19 @@ class RunDir:
                 for name, is_dir in OUTPUTS.items():
                     if (self.path / name).exists():
                         self.record(name, is_dir or (self.path / name).is_dir())
+                changes = self.changes
                 if not (self.path / "config.yaml").exists():
                     self.write_file("config.yaml", cfg.to_yaml())
-                elif self.changes:
-                    row = {"iteration": iteration, "checkpoint": str(resumed_from),
-                           "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in self.changes]}
+                    changes = []  # the config just written is the one in use
+                resized = was_world_size is not None and was_world_size != dist.world_size()
+                if changes or resized:
+                    row: dict[str, Any] = {"iteration": iteration, "checkpoint": str(resumed_from),
+                                           "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in changes]}
+                    if resized:
+                        # Not a config key (recorded_config replays only "changes"): the process count is
+                        # a launch setting, but the record must say where exactness ended.
+                        row["world_size"] = {"old": was_world_size, "new": dist.world_size()}
+                        row["bit_identical"] = False
                     with open(self.claim("config_history.jsonl"), "a", encoding="utf-8") as f:
                         f.write(json.dumps(row) + "\n")
             writer = RunWriter(self, cfg.train.tensorboard)
@@ -336,12 +347,20 @@ class RunLog:
             self.bar = tqdm(total=self.total, initial=start, desc="ppo", unit="it", file=sys.stderr,
                             dynamic_ncols=True, leave=False)
 
-    def start(self, plan: Any, cfg: Config, resumed_from: Path | None, iteration: int) -> None:
+    def start(self, plan: Any, cfg: Config, resumed_from: Path | None, iteration: int,
+              was_world_size: int | None = None) -> None:
         self.say(f"rallyrl: {plan.world_size} process(es), {plan.num_rollouts} rollouts/iteration "
                  f"({'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s)), "
                  f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
         if resumed_from is not None:
             self.say(f"resumed from {resumed_from} at iteration {iteration}")
+        if resumed_from is not None and was_world_size is not None and was_world_size != plan.world_size:
+            n = plan.world_size
+            self.say(f"rallyrl: the run continues from step {iteration} on {n} process{'' if n == 1 else 'es'} (was "
+                     f"{was_world_size}); weights, optimizer, LR schedule, KL controller, reward moments and the "
+                     f"prompt position carried over, the per-rank random streams (generation sampling, "
+                     f"minibatch order) were re-derived from train.seed, the rank and the iteration, so it is "
+                     f"not bit-identical to an uninterrupted run (recorded in config_history.jsonl)")
 
     def interrupted(self, completed: int, newest: Path | None) -> None:
         """Ctrl-C: close the bar first so the line stands on its own, then say how to continue."""
