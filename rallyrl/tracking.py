@@ -52,9 +52,17 @@ class RunDir:
         self.path = Path(path)
         self.resuming = False  # decided by check_start
         self.changes: list[Change] = []  # config changes against the recorded run (a resume)
+        # The manifest, read from disk once and then kept here: only this object (on the main rank) writes
+        # it, and every change is written through at once (see ``record``).
+        self._manifest_cache: dict[str, list[str]] | None = None
 
     # --- what is there ---------------------------------------------------------------------------
     def _manifest(self) -> dict[str, list[str]]:
+        if self._manifest_cache is None:
+            self._manifest_cache = self._read_manifest()
+        return self._manifest_cache
+
+    def _read_manifest(self) -> dict[str, list[str]]:
         f = self.path / MANIFEST
         if not f.is_file():
             return {"files": [], "dirs": []}
@@ -208,16 +216,21 @@ class RunDir:
         if eval_dir.is_dir() and not any(eval_dir.iterdir()):
             eval_dir.rmdir()
         (self.path / MANIFEST).unlink(missing_ok=True)
+        self._manifest_cache = {"files": [], "dirs": []}
 
     # --- recording what rallyrl writes (main rank) -----------------------------------------------
     def record(self, rel: str, is_dir: bool = False) -> None:
+        """List ``rel`` as rallyrl's. The manifest on disk is rewritten (atomically: a temporary file, then
+        ``os.replace``) before the caller creates ``rel``, so a crash at any point leaves a manifest that
+        lists everything rallyrl wrote; nothing is written when ``rel`` is already listed."""
         m = self._manifest()
         key = "dirs" if is_dir else "files"
         if rel not in m[key]:
-            m[key].append(rel)
+            updated = {**m, key: [*m[key], rel]}
             tmp = self.path / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(m, indent=1), encoding="utf-8")
+            tmp.write_text(json.dumps(updated, indent=1), encoding="utf-8")
             os.replace(tmp, self.path / MANIFEST)
+            self._manifest_cache = updated  # only once it is on disk: a failed write changes nothing here
 
     def claim(self, rel: str, is_dir: bool = False) -> Path:
         """The path of an output about to be written; refuses a file or folder rallyrl did not write."""

@@ -112,7 +112,7 @@ def ppo_update(learner: Learner, ro: Rollouts, advantages: torch.Tensor, returns
                state: TrainState, ppo: PPOConfig, temperature: float, device: torch.device) -> dict[str, float]:
     """``ppo.epochs`` passes over the batch in ``ppo.num_minibatches`` optimizer steps. Returns the sums
     of ``UPDATE_STATS`` plus ``grad_norm`` (summed over applied steps), ``steps``, ``skipped`` and
-    ``time`` (seconds)."""
+    ``time`` (this rank's wall seconds; not reduced)."""
     t_start, B, M, W = time.perf_counter(), len(ro), ppo.num_minibatches, dist.world_size()
     # Lengths on the host once per update: micro-batches trim all-padding columns with plain ints.
     resp_len, query_len = ro.response_mask.sum(1).tolist(), ro.query_mask.sum(1).tolist()
