@@ -83,15 +83,27 @@ def table(report: dict[str, Any]) -> str:
         add(f"| reward_phase | (c) `local`: reward fn s (summed over ranks) / gather | {_spread(c['reward_fn_s'])} / "
             f"{_spread(c['reward_gather_s'])} | | | |")
         srv = rp.get("server", {})
-        if "status" in srv:
-            add(f"| reward_phase | (d) reward server, overlap off / on | {srv['status']} | | | |")
+        if "status" in srv or "error" in srv:
+            add(f"| reward_phase | (d) reward server, overlap off / on | "
+                f"{srv.get('status') or 'error: ' + srv['error'].splitlines()[0][:100]} | | | |")
         else:
-            cells = []
-            for k in ("server_overlap_false", "server_overlap_true"):
-                v = srv.get(k, {})
-                cells.append(f"error: {v['error'].splitlines()[0][:80]}" if "error" in v
-                             else f"step {_spread(v.get('reward_step_s'))}, iteration {_spread(v.get('iteration_s'))}")
-            add(f"| reward_phase | (d) reward server, overlap off / on | {cells[0]} / {cells[1]} | | | |")
+            def cell(v: dict[str, Any]) -> str:
+                return (f"error: {v['error'].splitlines()[0][:80]}" if "error" in v else
+                        f"reward step {_spread(v.get('reward_step_s'))}, iteration {_spread(v.get('iteration_s'))}")
+            n = srv.get("rounds_per_iteration", "?")
+            for overlap in ("false", "true"):
+                if f"server_overlap_{overlap}" in srv:
+                    add(f"| reward_phase | (d) `rallyrl serve-reward`, trainer, 2 processes, {n} rounds/iteration, "
+                        f"overlap {'on' if overlap == 'true' else 'off'} (s, median, min–max) | "
+                        f"{cell(srv[f'server_overlap_{overlap}'])} | | | |")
+            st = srv.get("step_level")
+            if st and "error" in st:
+                add(f"| reward_phase | (d) overlap at the RewardStep level | error: {st['error'].splitlines()[0][:100]} | | | |")
+            elif st:
+                add(f"| reward_phase | (d) RewardStep level, 2 processes, {n} rounds of generate + reward: "
+                    f"overlap (submit/collect) vs synchronous, s/iteration | {_spread(st['overlap_s'])} (waiting in "
+                    f"collect {_spread(st['overlap_wait_s'])}) | sync {_spread(st['sync_s'])} | "
+                    f"**{st['ratio_overlap_to_sync']:.2f}** (overlap/sync) | < 1 |")
         rss = rp.get("rss")
         if rss:
             add(f"| reward_phase | peak RSS MiB, `main`: reward rank 0 / rank 1 (difference) | "

@@ -30,7 +30,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import smollm2_task as task  # noqa: E402
-from benchmarks.common import ENV, BenchError, loop_iteration_times, read_metrics, run_timed  # noqa: E402
+from benchmarks.common import (ENV, BenchError, first_key, loop_iteration_times, read_metrics, run_timed,  # noqa: E402
+                               trl_ppo_args)
 
 EPISODES = 8  # per iteration (full run; `--quick` uses 4); one generation chunk of all of them
 EPOCHS = 1
@@ -91,71 +92,31 @@ def worker_rallyrl(args: argparse.Namespace) -> dict[str, Any]:
     return {"train_call_s": time.perf_counter() - t0, "final_dir": str(Path(args.run_dir) / "final")}
 
 
+def trl_settings(run_dir: str | Path, iterations: int, episodes: int = EPISODES) -> dict[str, Any]:
+    """TRL's PPOConfig for the shared settings (checked against rallyrl's: ``check_same_work``)."""
+    return trl_ppo_args(run_dir=run_dir, episodes=episodes, chunk=episodes, iterations=iterations, epochs=EPOCHS,
+                        minibatches=MINIBATCHES, lr=LR, kl_coef=KL_COEF, vf_coef=VF_COEF, max_new_tokens=MAX_NEW_TOKENS)
+
+
 def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's PPOTrainer on one process (``benchmarks.common.run_trl_ppo``)."""
     import torch
 
     torch.set_num_threads(1)
-    import datasets
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              TrainerCallback, set_seed)
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from transformers import AutoTokenizer
+
+    import trl.experimental.ppo  # noqa: F401 - imported before the clock, as rallyrl's modules are
 
     _preload()
-    datasets.disable_progress_bars()
-    set_seed(0)  # PPOTrainer does not seed numpy, which orders its minibatches
-    run_dir = Path(args.run_dir)
-    t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     if tok.pad_token is None:  # as rallyrl's loader does
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    policy = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    value = AutoModelForSequenceClassification.from_pretrained(args.model_dir, num_labels=1, dtype=torch.float32)
-    with torch.no_grad():
-        value.score.weight.zero_()  # first values 0, as rallyrl's zero value head
-    reward = task.make_text_reward_model(tok, task.sentiment)
-
-    def ids(prompts: list[str]) -> datasets.Dataset:
-        return datasets.Dataset.from_dict({"input_ids": [tok(p)["input_ids"] for p in prompts]})
-
-    episodes = args.episodes
-    n_rep = -(-episodes * args.iterations // len(task.TRAIN_PROMPTS))
-    cfg = PPOConfig(
-        output_dir=str(run_dir), seed=0, use_cpu=True, bf16=False, gradient_checkpointing=False,
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-        per_device_train_batch_size=episodes, gradient_accumulation_steps=1, num_mini_batches=MINIBATCHES,
-        num_ppo_epochs=EPOCHS, total_episodes=episodes * args.iterations, local_rollout_forward_batch_size=episodes,
-        learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
-        kl_coef=KL_COEF, kl_estimator="k1", gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2,
-        vf_coef=VF_COEF, whiten_rewards=False, response_length=MAX_NEW_TOKENS, temperature=1.0,
-        stop_token="eos", missing_eos_penalty=None, num_sample_generations=0,
-    )
-    trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=ids(task.TRAIN_PROMPTS * n_rep),
-                         eval_dataset=ids(task.EVAL_PROMPTS))
-    steps = [0]
-    trainer.optimizer.optimizer.register_step_post_hook(lambda *a, **k: steps.__setitem__(0, steps[0] + 1))
-    marks: list[float] = []
-
-    class _Clock(TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            marks.append(time.perf_counter())
-
-    trainer.add_callback(_Clock())
-    t1 = time.perf_counter()
-    trainer.train()
-    t2 = time.perf_counter()
-    final = run_dir / "final"
-    trainer.policy_model.save_pretrained(final, safe_serialization=True)
-    tok.save_pretrained(final)
-    return {"iterations": len(marks) - 1, "optimizer_steps": steps[0], "ppo_loop_s": t2 - t1, "setup_s": t1 - t0,
-            "train_call_s": t2 - t0, "iteration_s": [b - a for a, b in zip(marks, marks[1:])],
-            "reward_calls": reward.backbone.calls, "reward_samples": reward.backbone.samples,
-            "reward_s": reward.backbone.seconds, "final_dir": str(final)}
+    n_rep = -(-args.episodes * args.iterations // len(task.TRAIN_PROMPTS))
+    return run_trl_ppo(trl_settings(args.run_dir, args.iterations, args.episodes), args.model_dir, tok,
+                       [tok(p)["input_ids"] for p in task.TRAIN_PROMPTS * n_rep],
+                       [tok(p)["input_ids"] for p in task.EVAL_PROMPTS],
+                       lambda t: task.make_text_reward_model(t, task.sentiment))
 
 
 def common_eval(model: str | Path, seed: int = 0) -> dict[str, Any]:
@@ -199,6 +160,7 @@ def run_system(system: str, model: Path, out_dir: Path, iterations: int, tag: st
         res["iteration_s"] = loop_iteration_times(ms)
         res["iterations"] = len(ms)
         res["ppo_loop_s"] = sum(res["iteration_s"])
+        res["optimizer_steps"] = int(first_key(ms[-1], "policy/optimizer_steps", "opt/steps", default=0))
     res.update(common_eval(res["final_dir"]))
     print(f"[bench] smollm2 {tag} {system}: loop {res['ppo_loop_s']:.1f}s over {res['iterations']} iterations, "
           f"eval score {res['eval_score']:.3f}", flush=True)
