@@ -58,12 +58,18 @@ def table(report: dict[str, Any]) -> str:
         add(f"| ppo_vs_trl.{row} | episodes/s after warm-up (median of {r['repeats']} interleaved repeats) | "
             f"{rl['episodes_per_s_median']:.2f} | TRL {trl['episodes_per_s_median']:.2f} | "
             f"**{r['ratio']:.2f}** | >= {GOALS['ppo_ratio']} ({ok}) |")
+        if "ratio_per_repeat_spread" in r:
+            add(f"| ppo_vs_trl.{row} | episodes/s per run, min–max; ratio within each repeat (median, min–max) | "
+                f"{_spread(rl.get('episodes_per_s_spread'), '.2f')} | TRL {_spread(trl.get('episodes_per_s_spread'), '.2f')} | "
+                f"{_spread(r['ratio_per_repeat_spread'], '.2f')} | |")
         add(f"| ppo_vs_trl.{row} | final task score (pretrained {r['pretrained_score']:.3f}) | "
             f"{', '.join(f'{x:.3f}' for x in rl['final_score'])} | TRL {', '.join(f'{x:.3f}' for x in trl['final_score'])} | | |")
-        prof = rl["profile"]
-        parts = ", ".join(f"{k} {v['s']:.3f}s ({v['share']:.0%})" for k, v in prof["phases"].items())
-        add(f"| ppo_vs_trl.{row} | rallyrl iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
-            f"{parts} | | | |")
+        for name, sysrow in (("rallyrl", rl), ("TRL", trl)):
+            prof = sysrow.get("profile")
+            if prof:
+                parts = ", ".join(f"{k} {v['s']:.3f}s ({v['share']:.0%})" for k, v in prof["phases"].items())
+                add(f"| ppo_vs_trl.{row} | {name} iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
+                    f"{parts if name == 'rallyrl' else ''} | {parts if name == 'TRL' else ''} | | |")
         add(f"| ppo_vs_trl.{row} | whole process: wall s / CPU s (start-up, loading, eval included; per repeat) | "
             f"{', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(rl['process_s'], rl['cpu_s']))} | "
             f"TRL {', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(trl['process_s'], trl['cpu_s']))} | | |")

