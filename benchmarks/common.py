@@ -58,7 +58,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise BenchError(f"{path} does not exist: the run did not log any iteration")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     rows = [r for r in rows if r.get("step", 1) >= 1]  # step 0 is the evaluation before training
     if not rows:
         raise BenchError(f"{path} is empty: the run did not log any iteration")
@@ -77,7 +77,8 @@ def read_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "rollouts.jsonl"
     if not path.is_file():
         raise BenchError(f"{path} does not exist (train.log_rollouts must be on)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # split on "\n" only: older rollouts.jsonl may hold raw U+2028 / U+0085 inside strings
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def loop_iteration_times(metrics: Sequence[dict[str, Any]]) -> list[float]:

@@ -21,8 +21,10 @@ Measured (each run a fresh ``python -m rallyrl.cli train CONFIG --nproc N``; 1 t
 - ``overhead_ratio`` = median (a) over the iterations after the first / median (b) over its calls
   after the first.
 - (c) ``local`` placement on 2 processes (each rank scores its own half, each loads the model).
-- (d) the reward server (``reward.server: local``) without and with ``reward.overlap``, when
-  ``rallyrl.reward.server`` exists in this checkout; otherwise reported as not available.
+- (d) the reward served by ``rallyrl serve-reward`` (started here on a free loopback port), 2 processes,
+  4 chunk rounds per iteration: through the trainer with ``reward.url`` without overlap (and with
+  ``reward.overlap: true`` once the trainer reads it), and overlap vs synchronous at the ``RewardStep``
+  level (``overlap_worker``) until then.
 - Peak RSS (``VmHWM``) of every rank, read from /proc from outside while the run is alive.
 - Scaling: ``main`` placement at world size 1, 2, 3 on the same global work (96 rollouts per
   iteration, one chunk round: chunk = 96 / world size): reward step and iteration time, min/median/max.

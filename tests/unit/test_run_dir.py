@@ -106,3 +106,19 @@ def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path):
     _fake_run(run)
     (run / "checkpoints" / "step_2").mkdir(parents=True)
     assert RunDir.check_start(run, _cfg(run, resume="auto"), []).resuming
+
+
+def test_sampled_text_with_unicode_line_breaks_stays_one_line_and_survives_truncation(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+0085 / U+2028 / U+2029 raw, and str.splitlines() splits
+    on them: a sampled output holding one used to break rollouts.jsonl for resume's truncation."""
+    cfg = _cfg(tmp_path / "run")
+    rd = RunDir.check_start(tmp_path / "run", cfg, [])
+    w = rd.open(cfg, None, 0)
+    odd = "a\x85b\u2028c\u2029d\x1ce"
+    w.log_rollouts([{"step": s, "output": odd} for s in (1, 2)])
+    w.close()
+    path = tmp_path / "run" / "rollouts.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2 and [json.loads(x)["output"] for x in lines] == [odd, odd]
+    rd.truncate_logs(1)
+    assert [json.loads(x)["step"] for x in path.read_text(encoding="utf-8").splitlines()] == [1]
