@@ -123,7 +123,7 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def results_md(report: dict[str, Any]) -> str:
+def results_md(report: dict[str, Any], raw: str = "results/latest.json") -> str:
     m, meta = report["meta"]["machine"], report["meta"]
     v = meta["versions"]
     vs = ", ".join(f"{k} {v[k]}" for k in v)
@@ -143,7 +143,7 @@ def results_md(report: dict[str, Any]) -> str:
         f"- versions: {vs}",
         f"- rallyrl commit {commit}{' (with uncommitted changes: ' + ', '.join(dirty) + ')' if dirty else ''}",
         "- what each number means and how it is measured: [README.md](README.md); raw data: "
-        "[results/latest.json](results/latest.json)",
+        f"[{raw}]({raw})",
         "",
         table(report),
         "",
@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke version: few iterations, one repeat")
     ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--json", default="benchmarks/results/latest.json")
-    ap.add_argument("--md", default="benchmarks/RESULTS.md")
+    # A QUICK smoke run writes beside the full results instead of over them.
+    ap.add_argument("--json", default=None, help="default benchmarks/results/latest.json (quick: quick.json)")
+    ap.add_argument("--md", default=None, help="default benchmarks/RESULTS.md (quick: RESULTS-QUICK.md)")
     ap.add_argument("--work", default="runs/bench", help="run directories and logs")
     args = ap.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown section(s) {bad}; sections are {list(SECTIONS)}")
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    args.json = args.json or ("benchmarks/results/quick.json" if args.quick else "benchmarks/results/latest.json")
+    args.md = args.md or ("benchmarks/RESULTS-QUICK.md" if args.quick else "benchmarks/RESULTS.md")
     work = ROOT / args.work
     t0 = time.perf_counter()
     meta: dict[str, Any] = {
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     js, md = ROOT / args.json, ROOT / args.md
     js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(report, indent=2) + "\n")
-    md.write_text(results_md(report))
+    md.write_text(results_md(report, os.path.relpath(js, md.parent)))
     print(table(report))
     print(f"[bench] {meta['wall_s'] / 60:.1f} min; wrote {js.relative_to(ROOT)} and {md.relative_to(ROOT)}")
     failed = [k for k in ("ppo_vs_trl", "reward_phase") if k in report and (
