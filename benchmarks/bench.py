@@ -58,12 +58,18 @@ def table(report: dict[str, Any]) -> str:
         add(f"| ppo_vs_trl.{row} | episodes/s after warm-up (median of {r['repeats']} interleaved repeats) | "
             f"{rl['episodes_per_s_median']:.2f} | TRL {trl['episodes_per_s_median']:.2f} | "
             f"**{r['ratio']:.2f}** | >= {GOALS['ppo_ratio']} ({ok}) |")
+        if "ratio_per_repeat_spread" in r:
+            add(f"| ppo_vs_trl.{row} | episodes/s per run, min–max; ratio within each repeat (median, min–max) | "
+                f"{_spread(rl.get('episodes_per_s_spread'), '.2f')} | TRL {_spread(trl.get('episodes_per_s_spread'), '.2f')} | "
+                f"{_spread(r['ratio_per_repeat_spread'], '.2f')} | |")
         add(f"| ppo_vs_trl.{row} | final task score (pretrained {r['pretrained_score']:.3f}) | "
             f"{', '.join(f'{x:.3f}' for x in rl['final_score'])} | TRL {', '.join(f'{x:.3f}' for x in trl['final_score'])} | | |")
-        prof = rl["profile"]
-        parts = ", ".join(f"{k} {v['s']:.3f}s ({v['share']:.0%})" for k, v in prof["phases"].items())
-        add(f"| ppo_vs_trl.{row} | rallyrl iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
-            f"{parts} | | | |")
+        for name, sysrow in (("rallyrl", rl), ("TRL", trl)):
+            prof = sysrow.get("profile")
+            if prof:
+                parts = ", ".join(f"{k} {v['s']:.3f}s ({v['share']:.0%})" for k, v in prof["phases"].items())
+                add(f"| ppo_vs_trl.{row} | {name} iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
+                    f"{parts if name == 'rallyrl' else ''} | {parts if name == 'TRL' else ''} | | |")
         add(f"| ppo_vs_trl.{row} | whole process: wall s / CPU s (start-up, loading, eval included; per repeat) | "
             f"{', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(rl['process_s'], rl['cpu_s']))} | "
             f"TRL {', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(trl['process_s'], trl['cpu_s']))} | | |")
@@ -83,15 +89,27 @@ def table(report: dict[str, Any]) -> str:
         add(f"| reward_phase | (c) `local`: reward fn s (summed over ranks) / gather | {_spread(c['reward_fn_s'])} / "
             f"{_spread(c['reward_gather_s'])} | | | |")
         srv = rp.get("server", {})
-        if "status" in srv:
-            add(f"| reward_phase | (d) reward server, overlap off / on | {srv['status']} | | | |")
+        if "status" in srv or "error" in srv:
+            add(f"| reward_phase | (d) reward server, overlap off / on | "
+                f"{srv.get('status') or 'error: ' + srv['error'].splitlines()[0][:100]} | | | |")
         else:
-            cells = []
-            for k in ("server_overlap_false", "server_overlap_true"):
-                v = srv.get(k, {})
-                cells.append(f"error: {v['error'].splitlines()[0][:80]}" if "error" in v
-                             else f"step {_spread(v.get('reward_step_s'))}, iteration {_spread(v.get('iteration_s'))}")
-            add(f"| reward_phase | (d) reward server, overlap off / on | {cells[0]} / {cells[1]} | | | |")
+            def cell(v: dict[str, Any]) -> str:
+                return (f"error: {v['error'].splitlines()[0][:80]}" if "error" in v else
+                        f"reward step {_spread(v.get('reward_step_s'))}, iteration {_spread(v.get('iteration_s'))}")
+            n = srv.get("rounds_per_iteration", "?")
+            for overlap in ("false", "true"):
+                if f"server_overlap_{overlap}" in srv:
+                    add(f"| reward_phase | (d) `rallyrl serve-reward`, trainer, 2 processes, {n} rounds/iteration, "
+                        f"overlap {'on' if overlap == 'true' else 'off'} (s, median, min–max) | "
+                        f"{cell(srv[f'server_overlap_{overlap}'])} | | | |")
+            st = srv.get("step_level")
+            if st and "error" in st:
+                add(f"| reward_phase | (d) overlap at the RewardStep level | error: {st['error'].splitlines()[0][:100]} | | | |")
+            elif st:
+                add(f"| reward_phase | (d) RewardStep level, 2 processes, {n} rounds of generate + reward: "
+                    f"overlap (submit/collect) vs synchronous, s/iteration | {_spread(st['overlap_s'])} (waiting in "
+                    f"collect {_spread(st['overlap_wait_s'])}) | sync {_spread(st['sync_s'])} | "
+                    f"**{st['ratio_overlap_to_sync']:.2f}** (overlap/sync) | < 1 |")
         rss = rp.get("rss")
         if rss:
             add(f"| reward_phase | peak RSS MiB, `main`: reward rank 0 / rank 1 (difference) | "
@@ -105,7 +123,7 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def results_md(report: dict[str, Any]) -> str:
+def results_md(report: dict[str, Any], raw: str = "results/latest.json") -> str:
     m, meta = report["meta"]["machine"], report["meta"]
     v = meta["versions"]
     vs = ", ".join(f"{k} {v[k]}" for k in v)
@@ -125,7 +143,7 @@ def results_md(report: dict[str, Any]) -> str:
         f"- versions: {vs}",
         f"- rallyrl commit {commit}{' (with uncommitted changes: ' + ', '.join(dirty) + ')' if dirty else ''}",
         "- what each number means and how it is measured: [README.md](README.md); raw data: "
-        "[results/latest.json](results/latest.json)",
+        f"[{raw}]({raw})",
         "",
         table(report),
         "",
@@ -136,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke version: few iterations, one repeat")
     ap.add_argument("--sections", default=",".join(SECTIONS))
-    ap.add_argument("--json", default="benchmarks/results/latest.json")
-    ap.add_argument("--md", default="benchmarks/RESULTS.md")
+    # A QUICK smoke run writes beside the full results instead of over them.
+    ap.add_argument("--json", default=None, help="default benchmarks/results/latest.json (quick: quick.json)")
+    ap.add_argument("--md", default=None, help="default benchmarks/RESULTS.md (quick: RESULTS-QUICK.md)")
     ap.add_argument("--work", default="runs/bench", help="run directories and logs")
     args = ap.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -146,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown section(s) {bad}; sections are {list(SECTIONS)}")
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    args.json = args.json or ("benchmarks/results/quick.json" if args.quick else "benchmarks/results/latest.json")
+    args.md = args.md or ("benchmarks/RESULTS-QUICK.md" if args.quick else "benchmarks/RESULTS.md")
     work = ROOT / args.work
     t0 = time.perf_counter()
     meta: dict[str, Any] = {
@@ -176,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     js, md = ROOT / args.json, ROOT / args.md
     js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps(report, indent=2) + "\n")
-    md.write_text(results_md(report))
+    md.write_text(results_md(report, os.path.relpath(js, md.parent)))
     print(table(report))
     print(f"[bench] {meta['wall_s'] / 60:.1f} min; wrote {js.relative_to(ROOT)} and {md.relative_to(ROOT)}")
     failed = [k for k in ("ppo_vs_trl", "reward_phase") if k in report and (

@@ -47,8 +47,6 @@ import datetime
 import json
 import os
 import platform
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,7 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import ENV  # noqa: E402  (every benchmark process's environment)
+from benchmarks.common import (ENV, git_state, make_text_reward_model, read_metrics, run_timed, run_trl_ppo,  # noqa: E402
+                               trl_ppo_args, versions)
 
 CONFIG = ROOT / "examples" / "randomwalks" / "config.yaml"
 EVAL_PROMPTS = ROOT / "examples" / "randomwalks" / "eval_prompts.txt"
@@ -97,14 +96,9 @@ def rallyrl_overrides(model_dir: Path, run_dir: Path, iterations: int) -> list[s
 # Workers (each runs in its own process)
 
 
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [m for m in rows if m["step"] >= 1]  # step 0 is the evaluation before training
-
-
 def rallyrl_summary(run_dir: Path) -> dict[str, Any]:
     """Timings and results from a rallyrl run directory (the main rank's metrics.jsonl)."""
-    ms = _metrics(run_dir)
+    ms = read_metrics(run_dir)  # step 0 (the evaluation before training) left out
     last = ms[-1]
     s_iter = sum(m["time/iteration"] for m in ms)
     t_eval = float(last.get("time/eval", 0.0))
@@ -161,189 +155,47 @@ def worker_rallyrl(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def make_reward_model(tokenizer: Any) -> Any:
-    """The randomwalks optimality as the ``nn.Module`` reward model that TRL's PPO wants.
-
-    TRL's ``get_reward(model, query_responses, pad_token_id, context_length)`` calls
-    ``getattr(model, model.base_model_prefix)(input_ids=..., attention_mask=..., position_ids=...,
-    return_dict=True, output_hidden_states=True, use_cache=False)``, then ``model.score(
-    output.hidden_states[-1])`` -> (B, L, 1), and takes each row at its last response token (the
-    position before the first pad of the response; query_responses there are already truncated after
-    the first EOS). The "backbone" below decodes every row (the real tokens, special tokens skipped,
-    exactly as rallyrl decodes its outputs), scores the walk with ``task.reward_fn`` and writes the
-    score at every position; ``score`` is the identity. So TRL reads the optimality of the whole walk.
-    """
-    import torch
-    from torch import nn
-
+    """The randomwalks optimality as the ``nn.Module`` reward model TRL's PPO wants
+    (``benchmarks.common.make_text_reward_model``): each row's real tokens decoded (special tokens
+    skipped, as rallyrl decodes), scored by ``task.reward_fn``. reward_fn scores prompt + output, so
+    where the walk is split does not change the score; TRL reads the optimality of the whole walk."""
     from examples.randomwalks import task
 
-    class _DecodeAndScore(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-            self.samples = 0
-            self.seconds = 0.0
+    return make_text_reward_model(tokenizer, lambda walks: task.reward_fn(walks, [w[:1] for w in walks],
+                                                                          [w[1:] for w in walks]))
 
-        def forward(self, input_ids, attention_mask, **_: Any):  # noqa: ANN001
-            t0 = time.perf_counter()
-            walks = [tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
-                     for row, m in zip(input_ids, attention_mask.bool())]
-            # reward_fn scores prompt + output, so where the walk is split does not change the score.
-            scores = task.reward_fn(walks, [w[:1] for w in walks], [w[1:] for w in walks])
-            s = torch.tensor(scores, dtype=torch.float32, device=input_ids.device)
-            hidden = s[:, None, None].expand(input_ids.shape[0], input_ids.shape[1], 1)  # (B, L, 1)
-            self.calls += 1
-            self.samples += len(walks)
-            self.seconds += time.perf_counter() - t0
-            return type("Out", (), {"hidden_states": (hidden,)})()
 
-    class OptimalityRewardModel(nn.Module):
-        base_model_prefix = "backbone"
+def trl_settings(run_dir: str | Path, iterations: int, world: int = 1) -> dict[str, Any]:
+    """TRL's PPOConfig for the shared hyper-parameters (checked against rallyrl's: ``check_same_work``)."""
+    return trl_ppo_args(run_dir=run_dir, episodes=NUM_ROLLOUTS, chunk=CHUNK, iterations=iterations, epochs=EPOCHS,
+                        minibatches=MINIBATCHES, lr=LR, kl_coef=0.0, vf_coef=1.2, max_new_tokens=MAX_NEW_TOKENS,
+                        world=world)
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = _DecodeAndScore()
-            self.score = nn.Identity()
 
-    return OptimalityRewardModel()
+def rallyrl_settings(model_dir: Path, run_dir: Path, iterations: int) -> Any:
+    from rallyrl.config import load_config
+
+    return load_config(str(CONFIG), rallyrl_overrides(model_dir, run_dir, iterations))
 
 
 def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
-    """TRL's PPOTrainer (trl 1.12.0, ``trl.experimental.ppo``) on 1 process, or one rank of N."""
+    """TRL's PPOTrainer on 1 process, or one rank of N (``benchmarks.common.run_trl_ppo``)."""
     import torch
 
     torch.set_num_threads(1)
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
-    from transformers import set_seed
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from transformers import AutoTokenizer
+
+    import trl.experimental.ppo  # noqa: F401 - imported before the clock, as rallyrl's modules are
 
     _preload()
-    datasets.disable_progress_bars()
-    # PPOTrainer does not seed numpy, whose global RNG orders its minibatches (np.random.permutation);
-    # seed everything as a user would, so the baseline is reproducible like rallyrl (seed 0).
-    set_seed(0)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    model_dir = args.model_dir
-    run_dir = Path(args.run_dir)
-    t0 = time.perf_counter()
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
     tok.padding_side = "left"
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    # TRL's critic: a separate GPT-2 with a scalar head, from the same pretrained weights. Its head is
-    # zeroed so the first values are 0, as rallyrl's value head starts (value_head_std 0).
-    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
-    with torch.no_grad():
-        value.score.weight.zero_()
-    reward = make_reward_model(tok)
-
-    def ids(nodes: list[str]) -> datasets.Dataset:
-        return datasets.Dataset.from_dict({"input_ids": [tok(n)["input_ids"] for n in nodes]})
-
-    train_ds = ids(TRAIN_NODES * 64)  # uniform over start nodes, like rallyrl's 20 shuffled prompts
-    eval_ds = ids([line.strip() for line in EVAL_PROMPTS.read_text().splitlines() if line.strip()])
-
-    cfg = PPOConfig(
-        output_dir=str(run_dir),
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        # batch: per_device_train_batch_size * gradient_accumulation_steps * world = rollouts/iteration
-        per_device_train_batch_size=NUM_ROLLOUTS // world,
-        # 1: each 64-sample minibatch is one micro-batch and one optimizer step (8 per iteration; the
-        # step hook below counts them). TRL wraps every micro-batch in accelerator.accumulate(), so with
-        # more accumulation steps than micro-batches per minibatch, steps would be skipped.
-        gradient_accumulation_steps=1,
-        num_mini_batches=MINIBATCHES,
-        num_ppo_epochs=EPOCHS,
-        total_episodes=NUM_ROLLOUTS * args.iterations,
-        local_rollout_forward_batch_size=CHUNK,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",  # torch.optim.AdamW, as rallyrl (TRL's default is the fused variant)
-        weight_decay=0.0,
-        kl_coef=0.0,
-        gamma=1.0,
-        lam=0.95,
-        cliprange=0.2,
-        cliprange_value=0.2,
-        vf_coef=1.2,
-        whiten_rewards=False,
-        response_length=MAX_NEW_TOKENS,
-        temperature=1.0,
-        stop_token="eos",
-        missing_eos_penalty=None,
-        num_sample_generations=0,  # no evaluation inside train()
-    )
-    if args.no_gc_collect:
-        # Diagnostic only: TRL's loop calls gc.collect() twice per iteration (to free accelerator memory);
-        # in a process holding transformers + datasets that costs ~0.2-0.4 s per call here. Replace
-        # the `gc` that TRL's PPO module sees (the interpreter's automatic collection stays on).
-        import types
-
-        from trl.experimental.ppo import ppo_trainer as _ppo_mod
-
-        _ppo_mod.gc = types.SimpleNamespace(collect=lambda *a, **k: 0)
-    trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=train_ds, eval_dataset=eval_ds)
-    steps = [0]
-    trainer.optimizer.optimizer.register_step_post_hook(lambda *a, **k: steps.__setitem__(0, steps[0] + 1))
-    marks: list[float] = []
-
-    class _Clock(TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            marks.append(time.perf_counter())
-
-    trainer.add_callback(_Clock())
-    t1 = time.perf_counter()
-    if os.environ.get("BENCH_PROFILE"):  # diagnostic: where TRL's loop spends its time, per rank
-        import cProfile
-        import io
-        import pstats
-
-        prof = cProfile.Profile()
-        prof.runcall(trainer.train)
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / f"profile_rank{rank}.txt").write_text(buf.getvalue())
-    else:
-        trainer.train()
-    t2 = time.perf_counter()
-
-    out: dict[str, Any] = {
-        "iterations": len(marks) - 1,
-        "optimizer_steps": steps[0],
-        "ppo_loop_s": t2 - t1,
-        "setup_s": t1 - t0,
-        "train_call_s": t2 - t0,
-        "iteration_s": [b - a for a, b in zip(marks, marks[1:])],
-        "reward_calls": reward.backbone.calls,
-        "reward_samples": reward.backbone.samples,
-        "reward_s": reward.backbone.seconds,
-        "world_size": trainer.accelerator.num_processes,
-        "mixed_precision": str(trainer.accelerator.mixed_precision),
-        "optimizer": type(trainer.optimizer.optimizer).__name__,
-        "torch_threads": torch.get_num_threads(),
-        "final_dir": str(run_dir / "final"),
-    }
-    if rank == 0:
-        final = run_dir / "final"
-        trainer.policy_model.save_pretrained(final, safe_serialization=True)
-        tok.save_pretrained(final)
-    trainer.accelerator.wait_for_everyone()
-    return out
+    eval_nodes = [line.strip() for line in EVAL_PROMPTS.read_text().splitlines() if line.strip()]
+    # uniform over start nodes, like rallyrl's 20 shuffled prompts
+    return run_trl_ppo(trl_settings(args.run_dir, args.iterations, world), args.model_dir, tok,
+                       [tok(n)["input_ids"] for n in TRAIN_NODES * 64], [tok(n)["input_ids"] for n in eval_nodes],
+                       make_reward_model, no_gc_collect=args.no_gc_collect)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -371,19 +223,6 @@ def common_eval(model_dir: Path | str) -> dict[str, float]:
             "eval_optimality_per_seed": per_seed}
 
 
-def _run(cmd: list[str], log: Path) -> tuple[int, float, float]:
-    """Run ``cmd`` with the benchmark environment; returns (exit code, wall s, CPU s of the tree)."""
-    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    with open(log, "w") as fh:
-        rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - t0
-    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return rc, wall, cpu
-
-
 def run_system(system: str, model_dir: Path, out_dir: Path, iterations: int, tag: str) -> dict[str, Any]:
     run_dir = out_dir / f"{system}_{tag}"
     result_file = out_dir / f"{system}_{tag}.result.json"
@@ -407,9 +246,8 @@ def run_system(system: str, model_dir: Path, out_dir: Path, iterations: int, tag
         raise ValueError(system)
     load0 = os.getloadavg()[0]
     print(f"[bench] {tag} {system}: {' '.join(cmd[:6])} ... (log {log})", flush=True)
-    rc, wall, cpu = _run(cmd, log)
-    if rc != 0:
-        raise RuntimeError(f"{system} failed with exit code {rc}; see {log}:\n" + log.read_text()[-3000:])
+    proc = run_timed(cmd, log)  # a failure raises BenchError with the log's tail
+    wall, cpu = proc["wall_s"], proc["cpu_s"]
     if system == "rallyrl2":
         res = rallyrl_summary(run_dir)
         res.update(train_call_s=wall, final_dir=str(run_dir / "final"))
@@ -459,30 +297,6 @@ def table(repeats: list[list[dict[str, Any]]]) -> str:
                 f"{'-' if own is None else f'{own:.3f}'} | {r['optimizer_steps']} |"
             )
     return "\n".join(lines)
-
-
-def git_state() -> dict[str, Any]:
-    """The rallyrl commit measured, and whether rallyrl/ or examples/ differed from it."""
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD"),
-            "uncommitted_changes": git("status", "--porcelain", "--", "rallyrl", "examples").splitlines()}
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "accelerate", "trl", "datasets", "rallyrl"):
-        try:
-            out[pkg] = version(pkg)
-        except Exception:  # noqa: BLE001 - a missing package is reported, not fatal
-            out[pkg] = "missing"
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

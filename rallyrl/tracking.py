@@ -322,8 +322,8 @@ class RunWriter:
 
     def log_rollouts(self, records: list[dict[str, Any]]) -> None:
         for r in records:
-            self._rollouts.write(json.dumps({k: _clean(v) for k, v in r.items()}, ensure_ascii=False,
-                                            allow_nan=False) + "\n")
+            self._rollouts.write(_text_line(json.dumps({k: _clean(v) for k, v in r.items()}, ensure_ascii=False,
+                                                       allow_nan=False)))
         self._rollouts.flush()
 
     def log_eval_samples(self, step: int, records: list[dict[str, Any]]) -> None:
@@ -331,7 +331,7 @@ class RunWriter:
             self.run_dir.claim("eval", is_dir=True)
         with open(self.run_dir.claim(f"eval/step_{step}.jsonl"), "w", encoding="utf-8") as f:
             for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+                f.write(_text_line(json.dumps(r, ensure_ascii=False)))
 
     def close(self) -> None:
         self._metrics.close()
@@ -444,3 +444,16 @@ class RunLog:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# Line breaks that json.dumps(ensure_ascii=False) leaves raw inside strings, but str.splitlines() (and
+# so resume's log truncation and most readers) splits on: sampled text can contain them.
+_RAW_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def _text_line(dumped: str) -> str:
+    """One JSON document as exactly one line, whatever ``splitlines`` variant reads it back."""
+    for raw, esc in _RAW_BREAKS.items():
+        dumped = dumped.replace(raw, esc)
+    return dumped + "\n"
+

@@ -187,3 +187,88 @@ def test_table_states_goals_failures_and_missing_parts():
 def test_results_md_names_machine_sharing_and_command():
     md = bench.results_md(_report(2.5, 1.0))
     assert "shared" in md and "benchmarks/bench.py" in md and "torch 2.13.0+cpu" in md and "10.0 min" in md
+
+
+def test_same_work_contract_holds_for_both_rows_and_names_a_difference(tmp_path):
+    from benchmarks import randomwalks_vs_trl as rw
+
+    rw_cfg = rw.rallyrl_settings(tmp_path / "m", tmp_path / "r", 3)
+    assert common.same_work_mismatches(rw_cfg, rw.trl_settings(tmp_path / "r", 3)) == []
+    sm_cfg = load_config(smollm2_vs_trl.rallyrl_config(str(tmp_path), str(tmp_path / "r"), 3, 8, 32))
+    trl = smollm2_vs_trl.trl_settings(tmp_path / "r", 3, 8, 32)
+    assert common.same_work_mismatches(sm_cfg, trl) == []
+    assert trl["optim"] == "adamw_torch_fused"  # TRL's default optimizer, as rallyrl's fused AdamW
+    bad = dict(trl, num_ppo_epochs=2, response_length=16)
+    got = common.same_work_mismatches(sm_cfg, bad)
+    assert got == ["PPO epochs: rallyrl 1 vs TRL 2", "response length: rallyrl 32 vs TRL 16"]
+    with pytest.raises(common.BenchError, match="not do the same work: PPO epochs"):
+        common.check_same_work(sm_cfg, bad)
+    # on 2 ranks TRL's per-device batch is half the episodes
+    assert common.same_work_mismatches(rw_cfg, rw.trl_settings(tmp_path / "r", 3, world=2), world=2) == []
+
+
+def test_runs_must_make_the_same_optimizer_steps():
+    runs = [{"system": "trl1", "repeat": 1, "iterations": 3, "optimizer_steps": 6},
+            {"system": "rallyrl1", "repeat": 1, "iterations": 3, "optimizer_steps": 6}]
+    ppo_vs_trl.check_runs_did_the_same_work(runs)
+    runs[1]["optimizer_steps"] = 4
+    with pytest.raises(common.BenchError, match="same work"):
+        ppo_vs_trl.check_runs_did_the_same_work(runs)
+
+
+def test_trl_phase_clock_splits_an_iteration_by_what_trl_calls(monkeypatch):
+    """A fake TRL module and a fake clock: each wrapped call advances time by a known amount, so the
+    split is exact (no real timing)."""
+    import types
+
+    now = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+
+    def costs(dt):
+        def fn(*a, **k):
+            now[0] += dt
+            return "out"
+        return fn
+
+    class PolicyAndValueWrapper:
+        pass
+
+    reward_model, value_model = object(), object()
+    mod = types.SimpleNamespace(batch_generation=costs(3.0), forward=costs(1.0), get_reward=costs(0.5),
+                                gc=types.SimpleNamespace(collect=costs(0.25)))
+    clock = common.TrlPhaseClock(mod, reward_model)
+    clock.begin()
+    assert mod.batch_generation("policy") == "out"  # generate 3
+    mod.forward("ref")  # reference pass: forward 1
+    mod.get_reward(value_model)  # critic at rollout time: forward 0.5
+    mod.get_reward(reward_model)  # the reward adapter: reward 0.5
+    mod.gc.collect()  # before the update: gc 0.25
+    now[0] += 0.75  # advantages etc.: other
+    mod.forward(PolicyAndValueWrapper())  # update starts here (1)
+    mod.forward(types.SimpleNamespace(module=PolicyAndValueWrapper()))  # a DDP-wrapped one (1)
+    mod.gc.collect()  # inside the update window: gc, not update
+    now[0] += 2.0  # backward + optimizer
+    clock.end_iteration()
+    row = clock.rows[0]
+    assert row == {"generate": 3.0, "forward": 1.5, "reward": 0.5, "update": 4.0, "gc": 0.5, "other": 0.75,
+                   "iteration_s": 10.25}
+    clock.end_iteration()  # an iteration with nothing in it
+    assert clock.rows[1]["iteration_s"] == 0.0 and clock.rows[1]["update"] == 0.0
+    prof = common.trl_profile(clock.rows[:1] * 3, warmup=1)
+    assert prof["phases"]["update"]["s"] == 4.0 and sum(v["s"] for v in prof["phases"].values()) == 10.25
+
+
+def test_table_shows_the_reward_server_rows_and_which_overlap_was_measured():
+    r = _report(2.5, 1.0)
+    s = {"min": 1.0, "median": 2.0, "max": 3.0, "n": 2}
+    r["reward_phase"]["server"] = {
+        "url": "http://127.0.0.1:1", "rounds_per_iteration": 4, "overlap_through": "RewardStep (submit/collect)",
+        "server_overlap_false": {"reward_step_s": s, "iteration_s": s},
+        "step_level": {"overlap_s": s, "overlap_wait_s": s, "sync_s": s, "ratio_overlap_to_sync": 0.8},
+    }
+    t = bench.table(r)
+    assert "(d) `rallyrl serve-reward`, trainer, 2 processes, 4 rounds/iteration, overlap off" in t
+    assert "overlap on" not in t  # not measured through the trainer: said by the RewardStep row instead
+    assert "(d) RewardStep level" in t and "**0.80** (overlap/sync)" in t
+    r["reward_phase"]["server"]["step_level"] = {"error": "boom\nmore"}
+    assert "(d) overlap at the RewardStep level | error: boom |" in bench.table(r)

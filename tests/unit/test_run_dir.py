@@ -139,3 +139,19 @@ def test_the_manifest_is_read_once_and_on_disk_before_each_claimed_file(tmp_path
         rd.claim("eval/step_10.jsonl")
     assert rd._manifest() == json.loads((run / MANIFEST).read_text())
     assert "eval/step_10.jsonl" not in rd._manifest()["files"]
+
+
+def test_sampled_text_with_unicode_line_breaks_stays_one_line_and_survives_truncation(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+0085 / U+2028 / U+2029 raw, and str.splitlines() splits
+    on them: a sampled output holding one used to break rollouts.jsonl for resume's truncation."""
+    cfg = _cfg(tmp_path / "run")
+    rd = RunDir.check_start(tmp_path / "run", cfg, [])
+    w = rd.open(cfg, None, 0)
+    odd = "a\x85b\u2028c\u2029d\x1ce"
+    w.log_rollouts([{"step": s, "output": odd} for s in (1, 2)])
+    w.close()
+    path = tmp_path / "run" / "rollouts.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2 and [json.loads(x)["output"] for x in lines] == [odd, odd]
+    rd.truncate_logs(1)
+    assert [json.loads(x)["step"] for x in path.read_text(encoding="utf-8").splitlines()] == [1]
