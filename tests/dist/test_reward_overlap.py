@@ -9,6 +9,7 @@ The reward server is a real uvicorn server on a random loopback port in the pyte
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -177,3 +178,12 @@ def _worker(out: Path, url: str, bad_url: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     _worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    # Leave as rallyrl's own workers do: every rank leaves the group together, then the process ends
+    # without interpreter teardown, where gloo/store threads occasionally abort a finished worker
+    # ("terminate called without an active exception", exit 134) after every assertion passed.
+    from rallyrl import dist as _dist
+
+    _dist.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -175,3 +176,12 @@ def _worker(out: Path) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     _worker(Path(sys.argv[1]))
+    # Leave as rallyrl's own workers do: every rank leaves the group together, then the process ends
+    # without interpreter teardown, where gloo/store threads occasionally abort a finished worker
+    # ("terminate called without an active exception", exit 134) after every assertion passed.
+    from rallyrl import dist as _dist
+
+    _dist.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
