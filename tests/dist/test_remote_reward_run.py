@@ -151,3 +151,26 @@ def test_an_in_process_reward_past_reward_timeout_s_ends_every_rank(tiny_model, 
         # it ended long before the sleeping reward could have returned (the run does not wait for it)
         assert r["end"] - r["start"] < 100
     assert "rallyrl: waiting for the reward on rank 0, 0 s" in stderr, stderr[-3000:]
+
+
+def test_ctrl_c_stops_the_local_server_too(tiny_model, tmp_path):
+    """SIGINT to the `rallyrl train --nproc 2` launcher mid-run (what a terminal's Ctrl-C sends): every
+    rank stops with the interrupted line, and rank 0's reward server does not outlive the run."""
+    log = tmp_path / "calls.jsonl"
+    cfg = base_config(tiny_model, tmp_path / "run", train={"iterations": 50})
+    cfg["reward"] = {"fn": "tests.helpers.rewards:hashed_slow", "server": "local", "overlap": True}
+    cfg["dist"] = {"timeout_s": 120}
+    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(write_config(tmp_path / "c.yaml", cfg)), "--nproc", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(RALLYRL_TEST_CALL_LOG=str(log), RALLYRL_TEST_REWARD_SLEEP="0.3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 150
+    while not (log.exists() and log.read_text().strip()):  # the server is up and scoring
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "rallyrl: interrupted at iteration" in stderr, stderr[-3000:]
+    pids = {c["pid"] for c in read_jsonl(log)}
+    assert {c["command"] for c in read_jsonl(log)} == {"serve-reward"} and len(pids) == 1
+    assert not _alive(pids.pop()), "the reward server outlived the interrupted run"
