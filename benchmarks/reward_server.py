@@ -220,7 +220,8 @@ def main() -> None:
                                    for w in r["time_reward_wait_s"]]) for m in ("sync", "overlap")}
     result["training"]["median_reward_wait_s"] = waits
     print(f"training, 2 processes, 4 chunk rounds, 0.3 s reward: sync {sync:.2f} s/iteration, overlap {over:.2f} "
-          f"s/iteration, ratio {over / sync:.2f}; reward_wait sync {waits['sync']:.2f} s, overlap {waits['overlap']:.2f} s")
+          f"s/iteration, ratio {over / sync:.2f}; reward_wait sync {waits['sync']:.2f} s, "
+          f"overlap {waits['overlap']:.2f} s")
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -255,7 +255,8 @@ class RewardConfig:
     )
     server_args: list[str] = _f(
         [], "With `reward.server: local`: more `rallyrl serve-reward` options, e.g. `[--max-wait-ms, '20']` "
-            "(--max-batch, --max-wait-ms, --no-batching, --max-body-mb; the function, host and port are set by rallyrl).",
+            "(--max-batch, --max-wait-ms, --no-batching, --max-body-mb; the function, host and port are "
+            "set by rallyrl).",
     )
 
 

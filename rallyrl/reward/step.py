@@ -361,7 +361,7 @@ class RewardStep:
                 stats.time_wait = stats.time_reward
                 payload = [("ok", mine) for mine in split_by_counts(rewards, counts)]
             except Exception as e:  # every failure is reported to every rank, then raised there
-                payload = [("error", Failure.of(e, 0))] * len(counts)
+                payload = [("error", self._main_failure(e))] * len(counts)
         t1 = time.perf_counter()
         status, mine = dist.scatter_objects(payload, src=0)
         stats.time_gather = t_gather + time.perf_counter() - t1
@@ -468,7 +468,7 @@ class RewardStep:
                     try:
                         rewards, s = h.future.result()
                     except Exception as e:  # keep waiting for the others: no thread is left running on exit
-                        failure = failure or Failure.of(e, 0)
+                        failure = failure or self._main_failure(e)
                         continue
                     st.calls, st.samples, st.time_reward = s.calls, s.samples, s.time_reward
                     for r, mine in enumerate(split_by_counts(rewards, h.counts)):
@@ -485,6 +485,18 @@ class RewardStep:
             raise RewardError.from_failures([mine])
         assert len(mine) == len(handles) and all(len(m) == h.n for m, h in zip(mine, handles))
         return list(zip(mine, stats))
+
+    def _main_failure(self, e: Exception) -> Failure:
+        """The main rank's failure report; if the ``reward.server: local`` process has died, that is the
+        cause the user needs (the client only saw a refused connection): its exit code and last output."""
+        import dataclasses
+
+        f = Failure.of(e, 0)
+        proc = self.server.proc if self.server is not None else None
+        if proc is not None and proc.poll() is not None:
+            f = dataclasses.replace(f, message=f"{f.message}\n(the reward.server: local process has exited with code "
+                                               f"{proc.returncode}; its last output:\n{self.server.output_tail()})")
+        return f
 
     def _check_overlap(self) -> None:
         from .client import RemoteReward

@@ -72,3 +72,26 @@ def test_the_server_dies_with_a_killed_parent():
     assert parent.returncode == -9, parent.stderr[-2000:]
     pid = int(parent.stdout.strip())
     assert _gone(pid), "the reward server outlived its SIGKILLed parent"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_local_server_that_died_is_named_in_the_reward_error(overlap):
+    from rallyrl.reward import NamedRewardFn, RewardError, RewardStep, Samples
+    from tests.helpers.rewards import hashed
+
+    server = LocalRewardServer("tests.helpers.rewards:hashed")
+    step = RewardStep([NamedRewardFn("hashed", hashed)], "main", overlap=overlap, server=server,
+                      remote_options={"retries": 0, "timeout_s": 5})
+    try:
+        step.open()
+        s = Samples(["a"], [" b"], [[1]], [{}])
+        (rewards, _), = step.collect([step.submit(s)])
+        assert [r.score for r in rewards] == [deterministic_score("a", " b")]
+        server.proc.kill()
+        server.proc.wait()
+        with pytest.raises(RewardError, match=r"(?s)RemoteRewardError: reward server http://127.0.0.1:\d+/score: "
+                                              r"gave up.*the reward.server: local process has exited with code -9"):
+            step.collect([step.submit(s)])
+    finally:
+        step.close()
+    assert server.proc is None
