@@ -243,8 +243,20 @@ class RewardConfig:
     )
     overlap: bool = _f(
         False,
-        "With `reward.url` and `placement: main`: score each chunk round in the background while the ranks "
-        "generate the next one; rewards are collected once per iteration (same results as without).",
+        "With `reward.url` (or `reward.server: local`) and `placement: main`: score each chunk round in the "
+        "background while the ranks generate and score the next one; rewards are collected once per "
+        "iteration, before reward shaping (same results as without).",
+    )
+    server: Literal["none", "local"] = _f(
+        "none",
+        "`local`: rank 0 starts `rallyrl serve-reward` for `reward.fn` (+ `reward.kwargs`) as its own child "
+        "process on 127.0.0.1 (a free port), waits until it answers, sends every reward call there and stops "
+        "it when the run ends, also on failure or Ctrl-C. `none`: rallyrl starts no server.",
+    )
+    server_args: list[str] = _f(
+        [], "With `reward.server: local`: more `rallyrl serve-reward` options, e.g. `[--max-wait-ms, '20']` "
+            "(--max-batch, --max-wait-ms, --no-batching, --max-body-mb; the function, host and port are "
+            "set by rallyrl).",
     )
 
 
@@ -553,9 +565,10 @@ def validate(cfg: Config) -> None:
                 raise ConfigError(f"{where}: {u!r} must look like http://host:port")
     positive("reward.timeout_s", r.timeout_s)
     positive("reward.retries", r.retries, allow_zero=True)
-    if r.overlap and (r.url is None or r.placement != "main"):
-        raise ConfigError("reward.overlap needs reward.url and reward.placement main: only a remote reward can "
-                          "run beside generation without touching the training RNG streams")
+    _check_reward_server(r)
+    if r.overlap and ((r.url is None and r.server != "local") or r.placement != "main"):
+        raise ConfigError("reward.overlap needs reward.url (or reward.server: local) and reward.placement main: "
+                          "only a remote reward can run beside generation without touching the training RNG streams")
     for i, spec in enumerate(cfg.reward.fns):
         if not spec.fn:
             raise ConfigError(f"reward.fns[{i}].fn is required")
@@ -563,6 +576,42 @@ def validate(cfg: Config) -> None:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ConfigError(f"reward.fns: duplicate names {sorted(dup)}; set reward.fns[i].name")
+
+
+# `rallyrl serve-reward` options that `reward.server_args` may pass (option -> takes a value); the
+# function (`--fn`/`--kwargs` from reward.fn/reward.kwargs), `--host` and `--port` are rallyrl's.
+SERVER_ARGS = {"--max-batch": True, "--max-wait-ms": True, "--no-batching": False, "--max-body-mb": True}
+
+
+def _check_reward_server(r: RewardConfig) -> None:
+    if r.server != "local":
+        if r.server_args:
+            raise ConfigError("reward.server_args is for reward.server: local (the server rallyrl starts)")
+        return
+    if r.url is not None:
+        raise ConfigError("reward.server: local starts the server and picks its URL: remove reward.url (or set "
+                          "reward.server: none to use a server you started)")
+    if r.fns:
+        raise ConfigError("reward.server: local serves one function: set reward.fn (+ reward.kwargs), not reward.fns")
+    if not r.fn:
+        raise ConfigError("reward.server: local needs reward.fn: the import path of the function the server serves")
+    if r.placement != "main":
+        raise ConfigError(f"reward.server: local needs reward.placement main, not {r.placement!r}: the server "
+                          f"listens on 127.0.0.1 of rank 0's machine, which only rank 0 is sure to reach")
+    i = 0
+    while i < len(r.server_args):
+        opt = r.server_args[i]
+        name = opt.split("=", 1)[0]
+        if name in ("--fn", "--kwargs", "--model", "--label", "--device", "--host", "--port"):
+            raise ConfigError(f"reward.server_args: {name} is set by rallyrl (the function comes from reward.fn "
+                              f"and reward.kwargs; the server binds 127.0.0.1 on a free port)")
+        if name not in SERVER_ARGS:
+            raise ConfigError(f"reward.server_args: unknown option {opt!r}; allowed: {', '.join(SERVER_ARGS)}")
+        if SERVER_ARGS[name] and "=" not in opt:
+            if i + 1 >= len(r.server_args):
+                raise ConfigError(f"reward.server_args: {name} needs a value")
+            i += 1
+        i += 1
 
 
 def reward_fn_name(spec: RewardFnSpec) -> str:
@@ -652,6 +701,7 @@ FREE_TO_CHANGE = frozenset({
     "train.iterations", "train.run_dir", "train.log_rollouts", "train.tensorboard", "train.progress",
     "train.save_final", "train.num_threads", "train.overwrite", "train.resume", "train.allow_config_change",
     "checkpoint.interval", "checkpoint.keep_last", "dist.timeout_s",
+    "reward.overlap",  # the same rewards, only scored beside generation: same results (tested)
 })
 
 _ABSENT = "<absent>"

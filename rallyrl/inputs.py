@@ -85,6 +85,14 @@ def prepare_inputs(
                            else (cfg.data.eval_prompts, "data.eval_prompts"))
     eval_records = load_prompts(eval_src, eval_what) if eval_src is not None else []
     reward_fns = resolve_reward_fns(cfg.reward, reward_fn)
+    if cfg.reward.overlap and cfg.reward.server != "local":
+        from .reward.client import RemoteReward
+
+        in_process = [nf.name for nf in reward_fns if not isinstance(nf.fn, RemoteReward)]
+        if in_process:
+            raise ConfigError(f"reward.overlap needs remote reward functions (reward.url, reward.server: local or a "
+                              f"RemoteReward); {in_process} would run in this process, beside generation, where "
+                              f"they could move the training RNG streams")
     if metric_fn is None and cfg.eval.metric_fn:
         metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
     if cfg.model.prepare:

@@ -49,6 +49,7 @@ def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor,
         "reward/samples_per_call": g["samples"] / max(1.0, g["calls"]),
         "time/reward": g["time_reward"],
         "time/reward_gather": rstats.time_gather,  # this (main) rank's time moving samples and rewards
+        "time/reward_wait": rstats.time_wait,  # this (main) rank's time blocked waiting for rewards
         "policy/kl": g["kl_sum"] / n,
         "policy/kl_coef": state.kl_ctl.value,
         "policy/response_length": g["len_sum"] / n,

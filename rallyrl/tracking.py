@@ -13,11 +13,15 @@ JSON: a non-finite value is written as ``null``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -348,6 +352,15 @@ class TrainResult:
     eval_after: dict[str, float] = field(default_factory=dict)  # eval/* of the latest evaluation
 
 
+def wait_notice_after_s() -> float:
+    """Seconds of waiting for the reward before the progress line says so: 5, or ``RALLYRL_WAIT_NOTICE_S``
+    (an internal knob, for tests)."""
+    try:
+        return float(os.environ.get("RALLYRL_WAIT_NOTICE_S", "5"))
+    except ValueError:
+        return 5.0
+
+
 class RunLog:
     """Progress bar, the per-iteration line and the run-dir writers (main rank; no-ops elsewhere)."""
 
@@ -384,6 +397,42 @@ class RunLog:
         else:
             self.say(f"rallyrl: interrupted at iteration {completed + 1}; newest checkpoint {newest.name}; "
                      f"resume with --set train.resume=latest")
+
+    @contextlib.contextmanager
+    def waiting(self, what: str) -> Iterator[None]:
+        """While the block runs for longer than ``wait_notice_after_s()`` (5 s), the progress output says
+        so: ``"<what>, 42 s"`` (e.g. "waiting for the reward on rank 0, 42 s"). With a progress bar it is
+        the bar's postfix, updated in place every second and cleared afterwards; without one, a line at
+        5 s, 10 s, 20 s, 40 s, ... (doubling: a long wait is visible, a log is not flooded). Main rank
+        only; a helper thread does the telling, the block itself is untouched."""
+        if not dist.is_main():
+            yield
+            return
+        after, t0, done = wait_notice_after_s(), time.monotonic(), threading.Event()
+        shown = False
+
+        def tell() -> None:
+            nonlocal shown
+            next_line = after
+            while not done.wait(min(1.0, after) if shown else after):
+                waited = time.monotonic() - t0
+                bar = self.bar
+                if bar is not None:
+                    bar.set_postfix_str(f"{what}, {waited:.0f} s")
+                    shown = True
+                elif waited >= next_line:
+                    self.say(f"rallyrl: {what}, {waited:.0f} s")
+                    shown, next_line = True, next_line * 2
+
+        helper = threading.Thread(target=tell, name="rallyrl-wait-notice", daemon=True)
+        helper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            helper.join()
+            if shown and self.bar is not None:
+                self.bar.set_postfix_str("")
 
     def say(self, msg: str) -> None:
         if not dist.is_main():

@@ -32,6 +32,7 @@ from .evaluation import evaluate
 from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
 from .metrics import iteration_metrics
 from .models import LoadedModels, load_models
+from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, Samples, StepStats
 from .rollout import Rollouts, Shard, generate, score_tokens
 from .seeding import seed_everything, stream_seed
@@ -49,8 +50,12 @@ __all__ = ["TrainResult", "collect_rollouts", "compute_advantages", "ppo_update"
 def collect_rollouts(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, shard: Shard,
                      gen: GenerationConfig, do_sample: bool, device: torch.device
                      ) -> tuple[Rollouts, StepStats, dict[str, float]]:
-    chunks: list[Rollouts] = []
-    total = StepStats()
+    """Each chunk round: generate, submit the round to the central reward step, run the log-prob/value
+    passes. The rewards are collected once, after the last round (with ``reward.overlap`` the reward
+    host scores round r while every rank works on round r + 1; without it each round's step is
+    synchronous and ``collect`` only hands its results back). Nothing here draws random numbers but
+    ``generate``, so both ways give the same rollouts."""
+    handles, pending = [], []
     t_start, t_gen, t_fwd = time.perf_counter(), 0.0, 0.0
     for r in range(shard.rounds):
         mine = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]  # may be empty on some ranks
@@ -58,15 +63,19 @@ def collect_rollouts(models: LoadedModels, reward_step: RewardStep, prompts: Pro
         t0 = time.perf_counter()
         g = generate(models.policy, models.tokenizer, prompts.token_ids(mine), gen, do_sample, device)
         t_gen += time.perf_counter() - t0
-        rewards, st = reward_step(Samples(texts, g.outputs, g.response_lists, metadata))  # a collective
-        total.add(st)
+        handles.append(reward_step.submit(Samples(texts, g.outputs, g.response_lists, metadata)))  # a collective
         if mine:
             t0 = time.perf_counter()
             scored = score_tokens(models.policy, models.reference, g, gen.temperature, device)
             t_fwd += time.perf_counter() - t0
             first = shard.first_index + r * shard.chunk_size
-            chunks.append(Rollouts.from_chunk(g, scored, rewards, texts, metadata,
-                                              list(range(first, first + len(mine)))))
+            pending.append((r, g, scored, texts, metadata, list(range(first, first + len(mine)))))
+    results = reward_step.collect(handles)  # a collective; a failure in any round raises here on every rank
+    total = StepStats()
+    for _, st in results:
+        total.add(st)
+    chunks = [Rollouts.from_chunk(g, scored, results[r][0], texts, metadata, index)
+              for r, g, scored, texts, metadata, index in pending]
     ro = Rollouts.concat(chunks, models.tokenizer.pad_token_id)
     return ro, total, {"time/generate": t_gen, "time/forward": t_fwd, "time/rollout": time.perf_counter() - t_start}
 
@@ -201,17 +210,20 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s)
-    models, learner, state, reward_step = _build(cfg, inp, device)
+    models, learner, state = _build(cfg, inp, device)
     resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
+    reward_step = _reward_step(cfg, inp)  # starts nothing yet: see open() below
     log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                  TrainResult(run_dir.path))
     log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
+    reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
 
     def run_eval(step: int) -> dict[str, float]:
         return log.eval(step, *evaluate(models, reward_step, inp.eval_set, inp.metric_fn, cfg.generation,
                                         cfg.eval.do_sample, cfg.rollout.chunk_size, device))
 
     try:
+        reward_step.open()  # `reward.server: local`: rank 0 starts its server process (a collective)
         if resumed_from is None and 0 in evals:
             log.eval_before(run_eval(0))
         for step in range(state.iteration + 1, cfg.train.iterations + 1):
@@ -248,6 +260,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
         raise
     finally:
         log.close()
+        reward_step.close()  # background reward threads and a `reward.server: local` process stop, whatever happened
     return log.result
 
 
@@ -255,9 +268,8 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
 # helpers of the recipe
 
 
-def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels, Learner, TrainState, RewardStep]:
-    """Models, optimizer + schedule, the fresh train state (seeded: see ``rallyrl.seeding``) and the
-    central reward step."""
+def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels, Learner, TrainState]:
+    """Models, optimizer + schedule and the fresh train state (seeded: see ``rallyrl.seeding``)."""
     W, R = dist.world_size(), dist.rank()
     assert inp.plan.world_size == W, f"inputs were checked for {inp.plan.world_size} processes, the group has {W}"
     torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
@@ -269,8 +281,23 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     total_steps = cfg.train.iterations * inp.plan.optimizer_steps_per_iteration
     learner = Learner.create(models.policy, cfg.ppo, total_steps)
     state = TrainState.fresh(cfg, len(inp.records), shuffle_seed=stream_seed(cfg.train.seed, "minibatch", R))
-    reward_step = RewardStep(inp.reward_fns, cfg.reward.placement, cfg.reward.batch_size, inp.tokenizer)
-    return models, learner, state, reward_step
+    return models, learner, state
+
+
+def _reward_step(cfg: Config, inp: Inputs) -> RewardStep:
+    """The central reward step (docs/reward.md, docs/reward-server.md). ``reward.timeout_s`` bounds each
+    in-process reward call; a ``RemoteReward`` (``reward.url``, ``reward.server: local``) applies it per
+    HTTP attempt itself, so it is not bounded twice. With ``reward.server: local`` the step carries the
+    server (not started: ``open()`` starts it on rank 0, ``close()`` stops it)."""
+    r = cfg.reward
+    server, remote_options = None, {}
+    if r.server == "local":
+        # The server must come up before the other ranks give up waiting for it in open()'s broadcast.
+        server = LocalRewardServer(r.fn or "", r.kwargs, r.server_args,
+                                   startup_timeout_s=min(300.0, 0.8 * cfg.dist.timeout_s))
+        remote_options = {"timeout_s": r.timeout_s if r.timeout_s is not None else 60.0, "retries": r.retries}
+    return RewardStep(inp.reward_fns, r.placement, r.batch_size, inp.tokenizer, timeout_s=r.timeout_s,
+                      overlap=r.overlap, server=server, remote_options=remote_options)
 
 
 def _resume(run_dir: RunDir, cfg: Config, models: LoadedModels, learner: Learner,

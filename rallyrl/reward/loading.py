@@ -99,6 +99,9 @@ def resolve_reward_fns(cfg: "RewardConfig", reward_fn: Any = None) -> list["Name
     from .step import NamedRewardFn
 
     if reward_fn is not None:
+        if cfg.server == "local":
+            raise ConfigError("reward.server: local serves reward.fn (an import path) in its own process; a "
+                              "reward_fn passed to train() cannot be sent there: set reward.fn instead")
         fns = reward_fn if isinstance(reward_fn, (list, tuple)) else [reward_fn]
         out = []
         for i, f in enumerate(fns):
@@ -124,5 +127,8 @@ def resolve_reward_fns(cfg: "RewardConfig", reward_fn: Any = None) -> list["Name
         return [NamedRewardFn(reward_fn_name(s), load_callable(s.fn, f"reward.fns[{i}].fn", s.kwargs), s.weight)
                 for i, s in enumerate(cfg.fns)]
     if cfg.fn:
+        # With reward.server: local this imports (and, with kwargs, builds) the function here too, so a
+        # bad path or factory argument fails before anything starts; the server process is what calls it
+        # (a lazy reward model such as hf_classifier loads no weights here).
         return [NamedRewardFn(cfg.fn.rsplit(":", 1)[-1], load_callable(cfg.fn, "reward.fn", cfg.kwargs))]
     raise ConfigError("no reward function: set reward.fn (or reward.fns) or pass reward_fn=")

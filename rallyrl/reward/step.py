@@ -21,10 +21,11 @@ micro-batch bounds) is a set of pure functions (``concat_shards``, ``split_by_co
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ContextManager, TypeVar
 
 from ..errors import Failure, RewardError
 from .validate import validate_rewards
@@ -95,8 +96,8 @@ class StepStats:
     samples: int = 0  # samples passed to those calls (so samples / calls = mean micro-batch size)
     time_reward: float = 0.0  # seconds this rank spent inside reward functions
     time_gather: float = 0.0  # seconds moving samples, rewards and failures between ranks (per rank)
-    # seconds the main rank was BLOCKED waiting for rewards: the whole call when synchronous; with
-    # overlap (submit/collect) only the part that generation did not hide. 0 on the other ranks.
+    # seconds this rank was BLOCKED waiting for rewards: its reward calls when synchronous; with overlap
+    # (submit/collect) only the part that generation did not hide. With `main` placement 0 off rank 0.
     time_wait: float = 0.0
 
     def add(self, other: "StepStats") -> None:
@@ -105,6 +106,7 @@ class StepStats:
         self.samples += other.samples
         self.time_reward += other.time_reward
         self.time_gather += other.time_gather
+        self.time_wait += other.time_wait
 
 
 # ------------------------------------------------------------------------------------------------
@@ -246,9 +248,24 @@ def score_samples(
 # The step
 
 
+def _no_notice(what: str) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
 class RewardStep:
     """Callable object: ``step(local_samples) -> (local_rewards, StepStats)``; a collective call that
-    every rank enters once per chunk round (also with 0 samples)."""
+    every rank enters once per chunk round (also with 0 samples).
+
+    The rollout loop uses ``submit(samples)`` per round and ``collect(handles)`` once after the last
+    round: synchronous by default (``submit`` is the call above), or, with ``overlap=True``, ``submit``
+    returns at once while the main rank's background thread scores the round, and ``collect`` waits
+    and scatters every round's rewards in one collective. The results are the same either way.
+
+    ``server``: a ``LocalRewardServer`` (``reward.server: local``) that ``open()`` starts on the main
+    rank; the reward functions then become a ``RemoteReward`` pointed at it. ``close()`` stops it.
+    ``notice(what)``: a context manager the main rank holds while it is blocked waiting for rewards
+    (the trainer's progress line says so when that takes long, see ``RunLog.waiting``).
+    """
 
     def __init__(
         self,
@@ -257,6 +274,10 @@ class RewardStep:
         batch_size: int | None = None,
         tokenizer: Any = None,
         timeout_s: float | None = None,
+        overlap: bool = False,
+        server: Any = None,
+        remote_options: dict[str, Any] | None = None,
+        notice: Callable[[str], ContextManager[None]] = _no_notice,
     ) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"reward.placement must be main, local or collective, got {placement!r}")
@@ -266,16 +287,60 @@ class RewardStep:
             raise ValueError(f"reward.batch_size must be > 0, got {batch_size}")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
+        if overlap and placement != "main":
+            raise ValueError(f"reward overlap (submit/collect) needs placement 'main', not {placement!r}")
+        if server is not None and placement != "main":
+            raise ValueError(f"reward.server: local needs placement 'main', not {placement!r}")
         self.fns, self.placement, self.batch_size, self.tokenizer = list(fns), placement, batch_size, tokenizer
         self.timeout_s = timeout_s  # bounds each in-process reward call (None: unbounded)
+        self.overlap, self.server, self.notice = overlap, server, notice
+        self.remote_options = dict(remote_options or {})  # RemoteReward options for the local server
+        self._executor: Any = None
+        self._opened = server is None
+        if overlap and self._opened:
+            self._check_overlap()
+
+    def open(self) -> None:
+        """Start what the step needs before its first call; a collective (every rank calls it). With a
+        local server: the main rank starts it (a start failure is the same ``RewardError`` on every
+        rank, with the server's output), every rank learns its URL, and the reward functions become a
+        ``RemoteReward`` pointed at it (only the main rank ever calls it with ``main`` placement)."""
+        from .. import dist
+        from ..seeding import isolated_rng
+        from .client import RemoteReward
+
+        if self._opened:
+            return
+        self._opened = True
+
+        def start() -> str:
+            with isolated_rng():  # nothing here may move the training RNG streams
+                return self.server.start()
+
+        url = dist.agree(start, RewardError, main_only=True, what="starting the reward server (reward.server: local)")
+        remote = RemoteReward(url, **self.remote_options)
+        self.fns = [NamedRewardFn(nf.name, remote, nf.weight) for nf in self.fns]
+        if self.overlap:
+            self._check_overlap()
 
     def __call__(self, samples: Samples) -> tuple[list[Reward], StepStats]:
         """Synchronous: gather, score, validate, scatter (one chunk round)."""
+        self.open()
         if self.placement == "main":
             return self._main(samples)
         if self.placement == "local":
             return self._local(samples)
         return self._collective(samples)
+
+    def _what(self) -> str:
+        """What the main rank is waiting for, in the progress line's words."""
+        from .client import RemoteReward
+
+        remote = [nf.fn for nf in self.fns if isinstance(nf.fn, RemoteReward)]
+        where = f" (server {remote[0].urls[0].rsplit('/', 1)[0]})" if remote else ""
+        if self.placement == "main":
+            return f"waiting for the reward on rank 0{where}"
+        return f"waiting for the rewards ({self.placement} placement: every rank's call){where}"
 
     # --- main: gather -> score on rank 0 -> scatter --------------------------------------------
     def _main(self, samples: Samples) -> tuple[list[Reward], StepStats]:
@@ -290,12 +355,13 @@ class RewardStep:
             assert gathered is not None
             batch, counts = concat_shards(gathered)
             try:
-                rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
-                                               timeout_s=self.timeout_s)
+                with self.notice(self._what()):
+                    rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
+                                                   timeout_s=self.timeout_s)
                 stats.time_wait = stats.time_reward
                 payload = [("ok", mine) for mine in split_by_counts(rewards, counts)]
             except Exception as e:  # every failure is reported to every rank, then raised there
-                payload = [("error", Failure.of(e, 0))] * len(counts)
+                payload = [("error", self._main_failure(e))] * len(counts)
         t1 = time.perf_counter()
         status, mine = dist.scatter_objects(payload, src=0)
         stats.time_gather = t_gather + time.perf_counter() - t1
@@ -310,16 +376,18 @@ class RewardStep:
         failure: Failure | None = None
         rewards: list[Reward] = []
         stats = StepStats()
-        try:
-            rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size,
-                                           timeout_s=self.timeout_s)
-        except Exception as e:
-            failure = Failure.of(e, dist.rank())
-        # Even on success every rank takes part in this exchange: that is what lets a failure on one
-        # rank reach the others at once instead of leaving them waiting in the next collective.
-        t0 = time.perf_counter()
-        failures = dist.all_gather_objects(failure)
-        stats.time_gather = time.perf_counter() - t0
+        with self.notice(self._what()):
+            try:
+                rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size,
+                                               timeout_s=self.timeout_s)
+            except Exception as e:
+                failure = Failure.of(e, dist.rank())
+            stats.time_wait = stats.time_reward
+            # Even on success every rank takes part in this exchange: that is what lets a failure on one
+            # rank reach the others at once instead of leaving them waiting in the next collective.
+            t0 = time.perf_counter()
+            failures = dist.all_gather_objects(failure)
+            stats.time_gather = time.perf_counter() - t0
         dist.raise_failures(failures, RewardError)
         return rewards, stats
 
@@ -333,33 +401,39 @@ class RewardStep:
         failure: Failure | None = None
         rewards: list[Reward] = []
         stats = StepStats()
-        try:
-            allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
-                                        timeout_s=self.timeout_s)
-            rewards = split_by_counts(allr, counts)[dist.rank()]
-        except Exception as e:
-            failure = Failure.of(e, dist.rank())
-        t1 = time.perf_counter()
-        failures = dist.all_gather_objects(failure)
-        stats.time_gather = t_gather + time.perf_counter() - t1
+        with self.notice(self._what()):
+            try:
+                allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
+                                            timeout_s=self.timeout_s)
+                rewards = split_by_counts(allr, counts)[dist.rank()]
+            except Exception as e:
+                failure = Failure.of(e, dist.rank())
+            stats.time_wait = stats.time_reward
+            t1 = time.perf_counter()
+            failures = dist.all_gather_objects(failure)
+            stats.time_gather = t_gather + time.perf_counter() - t1
         dist.raise_failures(failures, RewardError)
         if dist.rank() != 0:  # one joint call per micro-batch: count it once (stats are summed over ranks)
             stats.calls, stats.samples, stats.time_reward = 0, 0, 0.0
         return rewards, stats
 
-    # --- overlap: submit each round without waiting, collect once ---------------------------------
+    # --- the rollout loop's API: submit each round, collect once ---------------------------------
     def submit(self, samples: Samples) -> "RewardHandle":
-        """Start scoring one chunk round; returns at once (a collective: every rank calls it every round).
+        """Score one chunk round (a collective: every rank calls it every round).
 
-        The samples are gathered to the main rank (the only blocking part, as in the synchronous step),
-        which hands the batch to a background thread and returns; every rank goes on generating.
-        ``collect`` waits for the results, validates them and scatters them. Only with ``main``
-        placement and reward functions that never touch the global RNG (``RemoteReward``): the
-        background call cannot run inside ``isolated_rng()`` (see ``score_samples``).
+        Synchronous (``overlap=False``): the step itself, run now; its result (or its ``RewardError``)
+        comes at once. With ``overlap=True`` the samples are gathered to the main rank (the only
+        blocking part), which hands the batch to a background thread and returns; every rank goes on
+        generating. ``collect`` waits for the results, validates them and scatters them. Only with
+        ``main`` placement and reward functions that never touch the global RNG (``RemoteReward``):
+        the background call cannot run inside ``isolated_rng()`` (see ``score_samples``).
         """
         from .. import dist
 
-        self._check_overlap()
+        self.open()
+        if not self.overlap:
+            rewards, stats = self(samples)
+            return RewardHandle(len(samples), result=(rewards, stats))
         t0 = time.perf_counter()
         gathered = dist.gather_objects(samples, dst=0)
         handle = RewardHandle(len(samples), time_gather=time.perf_counter() - t0)
@@ -371,12 +445,16 @@ class RewardStep:
         return handle
 
     def collect(self, handles: Sequence["RewardHandle"]) -> list[tuple[list[Reward], StepStats]]:
-        """Wait for every submitted round, validate, and scatter ONCE; returns ``(rewards, stats)`` per
-        handle, in order. A failure in any round raises the same ``RewardError`` (with its cause) on
-        every rank. ``time_wait`` (on the last round's stats) is the time the main rank was blocked."""
+        """The ``(rewards, stats)`` of every submitted round, in order. With overlap: wait for every
+        round, validate, and scatter ONCE; a failure in any round raises the same ``RewardError``
+        (with its cause) on every rank. ``time_wait`` (on the last round's stats) is the time the main
+        rank was blocked here."""
         from .. import dist
 
         handles = list(handles)
+        if not self.overlap:
+            assert all(h.result is not None for h in handles), "collect() takes the handles of submit()"
+            return [h.result for h in handles]  # type: ignore[misc]
         stats = [StepStats(time_gather=h.time_gather) for h in handles]
         payload: list[Any] | None = None
         t_wait = 0.0
@@ -384,16 +462,17 @@ class RewardStep:
             t0 = time.perf_counter()
             per_rank: list[list[list[Reward]]] = [[] for _ in range(dist.world_size())]
             failure: Failure | None = None
-            for h, st in zip(handles, stats):
-                assert h.future is not None and h.counts is not None, "collect() takes the handles of submit()"
-                try:
-                    rewards, s = h.future.result()
-                except Exception as e:  # keep waiting for the others: no thread is left running on exit
-                    failure = failure or Failure.of(e, 0)
-                    continue
-                st.calls, st.samples, st.time_reward = s.calls, s.samples, s.time_reward
-                for r, mine in enumerate(split_by_counts(rewards, h.counts)):
-                    per_rank[r].append(mine)
+            with self.notice(self._what()):
+                for h, st in zip(handles, stats):
+                    assert h.future is not None and h.counts is not None, "collect() takes the handles of submit()"
+                    try:
+                        rewards, s = h.future.result()
+                    except Exception as e:  # keep waiting for the others: no thread is left running on exit
+                        failure = failure or self._main_failure(e)
+                        continue
+                    st.calls, st.samples, st.time_reward = s.calls, s.samples, s.time_reward
+                    for r, mine in enumerate(split_by_counts(rewards, h.counts)):
+                        per_rank[r].append(mine)
             t_wait = time.perf_counter() - t0
             payload = ([("error", failure)] * len(per_rank) if failure is not None
                        else [("ok", mine) for mine in per_rank])
@@ -406,6 +485,18 @@ class RewardStep:
             raise RewardError.from_failures([mine])
         assert len(mine) == len(handles) and all(len(m) == h.n for m, h in zip(mine, handles))
         return list(zip(mine, stats))
+
+    def _main_failure(self, e: Exception) -> Failure:
+        """The main rank's failure report; if the ``reward.server: local`` process has died, that is the
+        cause the user needs (the client only saw a refused connection): its exit code and last output."""
+        import dataclasses
+
+        f = Failure.of(e, 0)
+        proc = self.server.proc if self.server is not None else None
+        if proc is not None and proc.poll() is not None:
+            f = dataclasses.replace(f, message=f"{f.message}\n(the reward.server: local process has exited with code "
+                                               f"{proc.returncode}; its last output:\n{self.server.output_tail()})")
+        return f
 
     def _check_overlap(self) -> None:
         from .client import RemoteReward
@@ -420,16 +511,19 @@ class RewardStep:
     def _pool(self) -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
-        if getattr(self, "_executor", None) is None:
+        if self._executor is None:
             # Several rounds in flight at once: a batching server merges them into fewer calls.
             self._executor = ThreadPoolExecutor(8, thread_name_prefix="rallyrl-reward-overlap")
         return self._executor
 
     def close(self) -> None:
-        """Stop the background threads of ``submit`` (if any)."""
-        ex, self._executor = getattr(self, "_executor", None), None
+        """Stop the background threads of ``submit`` (rounds not started yet are dropped; one in flight
+        ends on its own, bounded by the client's timeout) and the local server, if any. Idempotent."""
+        ex, self._executor = self._executor, None
         if ex is not None:
-            ex.shutdown(wait=True)
+            ex.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.stop()
 
 
 @dataclass
@@ -438,5 +532,6 @@ class RewardHandle:
 
     n: int  # this rank's sample count in the round
     time_gather: float = 0.0
-    counts: list[int] | None = None  # main rank: per-rank counts
-    future: Any = None  # main rank: concurrent.futures.Future of score_samples
+    counts: list[int] | None = None  # overlap, main rank: per-rank counts
+    future: Any = None  # overlap, main rank: concurrent.futures.Future of score_samples
+    result: tuple[list[Reward], StepStats] | None = None  # synchronous: the round's rewards and stats

@@ -43,7 +43,7 @@ def test_submit_returns_at_once_and_collect_matches_the_synchronous_step():
     from tests.helpers.reward_servers import ScriptedServer
 
     with ScriptedServer(default="gate") as srv:  # every request is held until the gate opens
-        step = RewardStep([NamedRewardFn("remote", RemoteReward(srv.url, retries=0))], "main")
+        step = RewardStep([NamedRewardFn("remote", RemoteReward(srv.url, retries=0))], "main", overlap=True)
         rounds = [_shard(0, n, tag=f"t{k}") for k, n in enumerate([3, 0, 2, 4])]
         before = get_rng_state()
         handles = [step.submit(s) for s in rounds]
@@ -56,11 +56,15 @@ def test_submit_returns_at_once_and_collect_matches_the_synchronous_step():
         assert [[rw.score for rw in r] for r, _ in out] == [_want(s) for s in rounds]
         sync = [step(s)[0] for s in rounds]
         assert [[rw.score for rw in r] for r in sync] == [[rw.score for rw in r] for r, _ in out]
+        # the same API without overlap: each submit is the synchronous step, collect hands the results back
+        plain = RewardStep(step.fns, "main")
+        plain_out = plain.collect([plain.submit(s) for s in rounds])
+        assert [[rw.score for rw in r] for r, _ in plain_out] == [[rw.score for rw in r] for r, _ in out]
         assert [st.samples for _, st in out] == [3, 0, 2, 4] and out[-1][1].time_wait >= 0
         step.close()
 
     with ScriptedServer(default="500") as srv:  # a failing round: RewardError carrying the server's cause
-        step = RewardStep([NamedRewardFn("remote", RemoteReward(srv.url, retries=0))], "main")
+        step = RewardStep([NamedRewardFn("remote", RemoteReward(srv.url, retries=0))], "main", overlap=True)
         with pytest.raises(RewardError, match=r"RemoteRewardError: reward server .*HTTP 500: scripted failure"):
             step.collect([step.submit(_shard(0, 2)), step.submit(_shard(0, 1))])
         step.close()
@@ -71,9 +75,9 @@ def test_overlap_needs_main_placement_and_remote_functions():
     from tests.helpers.rewards import hashed
 
     with pytest.raises(ValueError, match=r"remote reward functions .*\['hashed'\]"):
-        RewardStep([NamedRewardFn("hashed", hashed)], "main").submit(_shard(0, 1))
+        RewardStep([NamedRewardFn("hashed", hashed)], "main", overlap=True)
     with pytest.raises(ValueError, match="placement 'main', not 'local'"):
-        RewardStep([NamedRewardFn("r", RemoteReward("http://127.0.0.1:9"))], "local").submit(_shard(0, 1))
+        RewardStep([NamedRewardFn("r", RemoteReward("http://127.0.0.1:9"))], "local", overlap=True)
 
 
 def test_overlap_with_two_processes(tmp_path):
@@ -103,7 +107,7 @@ def _worker(out: Path, url: str, bad_url: str) -> None:
     torch.set_num_threads(1)
     dist.init_accelerator(timeout_s=60)
     W, R = dist.world_size(), dist.rank()
-    step = RewardStep([NamedRewardFn("remote", RemoteReward(url, retries=1, backoff_s=0.05))], "main")
+    step = RewardStep([NamedRewardFn("remote", RemoteReward(url, retries=1, backoff_s=0.05))], "main", overlap=True)
     rng = np.random.default_rng(7)  # same stream on every rank: all agree on the counts
     trials = empty = nonempty = 0
     for t in range(6):
@@ -129,7 +133,7 @@ def _worker(out: Path, url: str, bad_url: str) -> None:
         assert total == sum(sum(c) for c in counts)
         trials += 1
 
-    failing = RewardStep([NamedRewardFn("remote", RemoteReward(bad_url, retries=0))], "main")
+    failing = RewardStep([NamedRewardFn("remote", RemoteReward(bad_url, retries=0))], "main", overlap=True)
     t0 = time.perf_counter()
     try:
         failing.collect([failing.submit(_shard(R, 2)), failing.submit(_shard(R, 1))])

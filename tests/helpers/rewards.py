@@ -11,6 +11,7 @@ import os
 import random
 import resource
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def _rank() -> int:
 def _log_call(samples, kwargs, **extra) -> None:
     log = os.environ.get("RALLYRL_TEST_CALL_LOG")
     if log:  # record who called the reward function, with how many samples (and which, if they have ids)
-        rec = {"rank": _rank(), "n": len(samples), "pid": os.getpid(), **extra}
+        rec = {"rank": _rank(), "n": len(samples), "pid": os.getpid(),
+               "command": sys.argv[1] if len(sys.argv) > 1 else None, **extra}  # e.g. "train", "serve-reward"
         if "id" in kwargs:
             rec["ids"] = kwargs["id"]
         with open(log, "a") as f:

@@ -36,12 +36,44 @@ def test_reward_url_builds_a_remote_reward():
     ({"url": "http://h:1", "timeout_s": 0}, "reward.timeout_s must be > 0"),
     ({"url": "http://h:1", "retries": -1}, "reward.retries must be >= 0"),
     ({"url": "http://h:1", "protocol": "grpc"}, r"reward.protocol: expected one of \['rallyrl', 'openrlhf'\]"),
-    ({"fn": "a:b", "overlap": True}, "reward.overlap needs reward.url and reward.placement main"),
+    ({"fn": "a:b", "overlap": True}, r"reward.overlap needs reward.url \(or reward.server: local\) and "
+                                     r"reward.placement main"),
     ({"url": "http://h:1", "placement": "local", "overlap": True}, "reward.overlap needs"),
+    ({"fn": "a:b", "server": "remote"}, r"reward.server: expected one of \['none', 'local'\]"),
+    ({"fn": "a:b", "server_args": ["--max-batch", "8"]}, "reward.server_args is for reward.server: local"),
+    ({"url": "http://h:1", "server": "local"}, "reward.server: local starts the server and picks its URL"),
+    ({"fns": [{"fn": "a:b"}], "server": "local"}, "reward.server: local serves one function: set reward.fn"),
+    ({"server": "local"}, "reward.server: local needs reward.fn"),
+    ({"fn": "a:b", "server": "local", "placement": "local"}, "reward.server: local needs reward.placement main, "
+                                                             "not 'local'"),
+    ({"fn": "a:b", "server": "local", "server_args": ["--port", "80"]}, "reward.server_args: --port is set by rallyrl"),
+    ({"fn": "a:b", "server": "local", "server_args": ["--fn=x:y"]}, "reward.server_args: --fn is set by rallyrl"),
+    ({"fn": "a:b", "server": "local", "server_args": ["--workers", "2"]}, "reward.server_args: unknown option "
+                                                                          "'--workers'"),
+    ({"fn": "a:b", "server": "local", "server_args": ["--max-wait-ms"]}, "--max-wait-ms needs a value"),
 ])
 def test_bad_remote_reward_config_names_the_key(reward, message):
     with pytest.raises(ConfigError, match=message):
         load_config({"reward": reward})
+
+
+def test_reward_server_local_config():
+    cfg = load_config({"reward": {"fn": "tests.helpers.rewards:hashed", "server": "local", "overlap": True,
+                                  "server_args": ["--max-wait-ms", "20", "--no-batching", "--max-batch=8"]}})
+    (nf,) = resolve_reward_fns(cfg.reward)  # the function is imported (checked) here; the server serves it
+    assert nf.name == "hashed"
+    with pytest.raises(ConfigError, match="a reward_fn passed to train\\(\\) cannot be sent there"):
+        resolve_reward_fns(cfg.reward, lambda s, p, o, **kw: [0.0] * len(s))
+
+
+def test_overlap_refuses_an_in_process_reward_fn_from_the_python_api(tiny_model):
+    from rallyrl.inputs import prepare_inputs
+
+    cfg = load_config({"model": {"path": str(tiny_model)}, "data": {"prompts": ["a", "b"]},
+                       "rollout": {"num_rollouts": 2, "chunk_size": 2},
+                       "reward": {"url": "http://127.0.0.1:9", "overlap": True}})
+    with pytest.raises(ConfigError, match=r"reward.overlap needs remote reward functions .*\['<lambda>'\]"):
+        prepare_inputs(cfg, 1, reward_fn=lambda s, p, o, **kw: [0.0] * len(s))
 
 
 def test_import_rallyrl_stays_free_of_torch_and_httpx():

@@ -1,0 +1,36 @@
+"""One rank of a training run under torchrun that records how ``rallyrl.train`` ended on THIS rank:
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/helpers/train_worker.py CONFIG OUT
+
+writes ``OUT/rank<R>.json`` = ``{"rank", "ok", "type", "message", "start", "end"}`` (the exception's type
+and message, if ``train`` raised), so a test can check that every rank ended with the same error. The
+process then leaves with ``os._exit(0)``: what is checked is the record, not the exit (a daemon thread
+still sleeping in an abandoned reward call must not decide it).
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main(config: str, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import rallyrl
+
+    rank = int(os.environ.get("RANK", "0"))
+    rec = {"rank": rank, "ok": True, "type": None, "message": None, "start": time.time()}
+    try:
+        rallyrl.train(config)
+    except BaseException as e:  # noqa: BLE001 - recorded for the test, whatever it is
+        rec.update(ok=False, type=type(e).__name__, message=str(e))
+    rec["end"] = time.time()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rec))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
