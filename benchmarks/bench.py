@@ -102,14 +102,11 @@ def table(report: dict[str, Any]) -> str:
                     add(f"| reward_phase | (d) `rallyrl serve-reward`, trainer, 2 processes, {n} rounds/iteration, "
                         f"overlap {'on' if overlap == 'true' else 'off'} (s, median, min–max) | "
                         f"{cell(srv[f'server_overlap_{overlap}'])} | | | |")
-            st = srv.get("step_level")
-            if st and "error" in st:
-                add(f"| reward_phase | (d) overlap at the RewardStep level | error: {st['error'].splitlines()[0][:100]} | | | |")
-            elif st:
-                add(f"| reward_phase | (d) RewardStep level, 2 processes, {n} rounds of generate + reward: "
-                    f"overlap (submit/collect) vs synchronous, s/iteration | {_spread(st['overlap_s'])} (waiting in "
-                    f"collect {_spread(st['overlap_wait_s'])}) | sync {_spread(st['sync_s'])} | "
-                    f"**{st['ratio_overlap_to_sync']:.2f}** (overlap/sync) | < 1 |")
+            if srv.get("ratio_overlap_to_sync") is not None:
+                add(f"| reward_phase | (d) trainer, overlap on / off, s per iteration (median of the interleaved "
+                    f"repeats' medians) | {_spread(srv['server_overlap_true']['iteration_s'])} | "
+                    f"{_spread(srv['server_overlap_false']['iteration_s'])} | "
+                    f"**{srv['ratio_overlap_to_sync']:.2f}** (overlap/sync) | < 1 |")
         rss = rp.get("rss")
         if rss:
             add(f"| reward_phase | peak RSS MiB, `main`: reward rank 0 / rank 1 (difference) | "

@@ -203,14 +203,6 @@ def server_available() -> bool:
     return importlib.util.find_spec("rallyrl.reward.server") is not None
 
 
-def trainer_reads_overlap() -> bool:
-    """Whether ``train()`` passes ``reward.overlap`` on (branch r7 wires it into the loop); until then
-    the trainer always runs the synchronous step and (d) measures overlap at the RewardStep level."""
-    import rallyrl.trainer
-
-    return "overlap" in Path(rallyrl.trainer.__file__).read_text()
-
-
 SERVER_ROUNDS = 4  # (d): chunk rounds per iteration, so overlap has later rounds to hide a call behind
 
 
@@ -260,96 +252,34 @@ class RewardServer:
         self._log.close()
 
 
-def overlap_worker(url: str, policy: str, iterations: int, result: str) -> None:
-    """(d) at the RewardStep level, on every rank of a 2-process group: per iteration SERVER_ROUNDS
-    rounds of a real sampled ``generate`` (the policy of (a), this rank's chunk, 32 new tokens), scored
-    through ``RewardStep`` with ``RemoteReward`` on the server, either synchronously (``step(samples)``
-    after each round: the trainer's loop today) or overlapped (``step.submit`` after each round,
-    ``step.collect`` once after the last). Modes alternate per iteration (interleaved)."""
-    import torch
-
-    from rallyrl import dist
-    from rallyrl.config import GenerationConfig
-    from rallyrl.reward import NamedRewardFn, RemoteReward, RewardStep, Samples
-    from rallyrl.rollout import generate
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(1)
-    dist.init_accelerator(120.0)
-    tok = AutoTokenizer.from_pretrained(policy)
-    lm = AutoModelForCausalLM.from_pretrained(policy).eval()
-    from rallyrl.models import CausalPolicy
-
-    pol = CausalPolicy(lm, 0.0, 0)
-    gen = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS)
-    chunk = GLOBAL_ROLLOUTS // (2 * SERVER_ROUNDS)
-    texts = [PROMPTS[(dist.rank() * chunk + i) % len(PROMPTS)] for i in range(chunk)]
-    queries = [tok(t)["input_ids"] for t in texts]
-    step = RewardStep([NamedRewardFn("remote", RemoteReward(url))], "main")
-    torch.manual_seed(dist.rank())
-    out: dict[str, list[float]] = {"sync_s": [], "overlap_s": [], "sync_reward_s": [], "overlap_wait_s": []}
-
-    def one_round() -> Samples:
-        g = generate(pol, tok, queries, gen, True, torch.device("cpu"))
-        return Samples(texts, g.outputs, g.response_lists, [{} for _ in texts])
-
-    for it in range(iterations):
-        for mode in (("sync", "overlap") if it % 2 == 0 else ("overlap", "sync")):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if mode == "sync":
-                blocked = 0.0
-                for _ in range(SERVER_ROUNDS):
-                    sm = one_round()
-                    t1 = time.perf_counter()
-                    step(sm)
-                    blocked += time.perf_counter() - t1
-                out["sync_s"].append(time.perf_counter() - t0)
-                out["sync_reward_s"].append(blocked)
-            else:
-                handles = [step.submit(one_round()) for _ in range(SERVER_ROUNDS)]
-                t1 = time.perf_counter()
-                step.collect(handles)
-                out["overlap_s"].append(time.perf_counter() - t0)
-                out["overlap_wait_s"].append(time.perf_counter() - t1)
-    step.close()
-    if dist.rank() == 0:
-        Path(result).write_text(json.dumps(out))
-    dist.shutdown()
-
-
-def run_server_rows(policy: Path, rm: Path, out_dir: Path, iterations: int,
-                    cfg: Any) -> dict[str, Any]:
+def run_server_rows(rm: Path, out_dir: Path, cfg: Any) -> dict[str, Any]:
     """(d): the reward served by ``rallyrl serve-reward``, 2 processes, without and with overlap."""
     server = RewardServer(rm, out_dir / "server.log")
     rows: dict[str, Any] = {"url": server.url, "rounds_per_iteration": SERVER_ROUNDS}
     try:
         chunk = GLOBAL_ROLLOUTS // (2 * SERVER_ROUNDS)
-        through_trainer = [False, True] if trainer_reads_overlap() else [False]
-        rows["overlap_through"] = "trainer" if len(through_trainer) == 2 else "RewardStep (submit/collect)"
-        for overlap in through_trainer:
-            name = f"server_overlap_{str(overlap).lower()}"
-            try:
-                c = cfg(name, 2, chunk=chunk)
-                c["reward"] = {"url": server.url, "placement": "main", "overlap": overlap}
-                rows[name] = run_rallyrl(c, 2, out_dir, name)
-            except BenchError as e:
-                rows[name] = {"error": str(e)[-1500:]}
-        if len(through_trainer) == 1:
-            result = out_dir / "overlap_step.result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   str(Path(__file__).resolve()), "--overlap-worker", server.url, "--policy", str(policy),
-                   "--iterations", str(iterations), "--result", str(result)]
-            print("[bench] reward_phase (d) overlap at the RewardStep level, 2 processes", flush=True)
-            try:
-                res = run_timed(cmd, out_dir / "overlap_step.log")
-                got = json.loads(result.read_text())
-                steady_ = {k: steady(v, WARMUP) for k, v in got.items()}
-                res.update(raw=got, **{k: spread(v) for k, v in steady_.items()},
-                           ratio_overlap_to_sync=median_ratio(steady_["overlap_s"], steady_["sync_s"]))
-                rows["step_level"] = res
-            except BenchError as e:
-                rows["step_level"] = {"error": str(e)[-1500:]}
+        # interleaved: off, on, off, on (one run each is a few iterations; two pairs halve the noise)
+        runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        for rep in range(2):
+            for overlap in (False, True):
+                name = f"server_overlap_{str(overlap).lower()}_{rep}"
+                try:
+                    c = cfg(name, 2, chunk=chunk)
+                    c["reward"] = {"url": server.url, "placement": "main", "overlap": overlap}
+                    runs[overlap].append(run_rallyrl(c, 2, out_dir, name))
+                except BenchError as e:
+                    rows[f"server_overlap_{str(overlap).lower()}"] = {"error": str(e)[-1500:]}
+        for overlap, got in runs.items():
+            key = f"server_overlap_{str(overlap).lower()}"
+            if got and key not in rows:
+                rows[key] = {**got[0], "repeats": got,
+                             "iteration_s": spread([r["iteration_s"]["median"] for r in got]),
+                             "reward_step_s": spread([r["reward_step_s"]["median"] for r in got]),
+                             "reward_wait_s": (spread([r["reward_wait_s"]["median"] for r in got])
+                                               if all(r["reward_wait_s"] for r in got) else None)}
+        if runs[False] and runs[True] and len(runs[False]) == len(runs[True]):
+            rows["ratio_overlap_to_sync"] = statistics.median(
+                t["iteration_s"]["median"] / f["iteration_s"]["median"] for f, t in zip(runs[False], runs[True]))
     finally:
         server.close()
     return rows
@@ -389,7 +319,7 @@ def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
                          "reward_model_safetensors_mib": rm_mib}
     if server_available():
         try:
-            report["server"] = run_server_rows(policy, rm, out_dir, iterations, cfg)
+            report["server"] = run_server_rows(rm, out_dir, cfg)
         except BenchError as e:
             report["server"] = {"error": str(e)[-1500:]}
     else:
@@ -410,19 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direct-worker", help=argparse.SUPPRESS)
     ap.add_argument("--rm", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--overlap-worker", metavar="URL", help=argparse.SUPPRESS)
-    ap.add_argument("--policy", help=argparse.SUPPRESS)
-    ap.add_argument("--iterations", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
-    if args.overlap_worker:
-        overlap_worker(args.overlap_worker, args.policy, args.iterations, args.result)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # as rallyrl's workers do: rank 0 hosts the rendezvous store, whose threads can abort
-        # interpreter teardown after a successful run (the group is already shut down)
-        os._exit(0)
     if args.direct_worker:
         Path(args.result).write_text(json.dumps(direct_worker(args.direct_worker, args.rm)))
         return 0

@@ -258,17 +258,20 @@ def test_trl_phase_clock_splits_an_iteration_by_what_trl_calls(monkeypatch):
     assert prof["phases"]["update"]["s"] == 4.0 and sum(v["s"] for v in prof["phases"].values()) == 10.25
 
 
-def test_table_shows_the_reward_server_rows_and_which_overlap_was_measured():
+def test_table_shows_the_reward_server_rows_and_the_overlap_ratio():
     r = _report(2.5, 1.0)
     s = {"min": 1.0, "median": 2.0, "max": 3.0, "n": 2}
     r["reward_phase"]["server"] = {
-        "url": "http://127.0.0.1:1", "rounds_per_iteration": 4, "overlap_through": "RewardStep (submit/collect)",
+        "url": "http://127.0.0.1:1", "rounds_per_iteration": 4,
         "server_overlap_false": {"reward_step_s": s, "iteration_s": s},
-        "step_level": {"overlap_s": s, "overlap_wait_s": s, "sync_s": s, "ratio_overlap_to_sync": 0.8},
+        "server_overlap_true": {"reward_step_s": s, "iteration_s": s},
+        "ratio_overlap_to_sync": 0.8,
     }
     t = bench.table(r)
     assert "(d) `rallyrl serve-reward`, trainer, 2 processes, 4 rounds/iteration, overlap off" in t
-    assert "overlap on" not in t  # not measured through the trainer: said by the RewardStep row instead
-    assert "(d) RewardStep level" in t and "**0.80** (overlap/sync)" in t
-    r["reward_phase"]["server"]["step_level"] = {"error": "boom\nmore"}
-    assert "(d) overlap at the RewardStep level | error: boom |" in bench.table(r)
+    assert "(d) `rallyrl serve-reward`, trainer, 2 processes, 4 rounds/iteration, overlap on" in t
+    assert "**0.80** (overlap/sync)" in t
+    r["reward_phase"]["server"]["server_overlap_true"] = {"error": "boom\nmore"}
+    del r["reward_phase"]["server"]["ratio_overlap_to_sync"]
+    t = bench.table(r)
+    assert "overlap on (s, median, min–max) | error: boom |" in t and "(overlap/sync)" not in t
