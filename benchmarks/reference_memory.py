@@ -2,8 +2,9 @@
 
 Each reference trains in its own fresh Python process (1 process, the sentiments config with small
 settings, identical for the three); a fourth process only loads the LM once (the baseline: Python,
-torch, transformers and one set of weights). The peak RSS of each process is the kernel's own
-``ru_maxrss`` of that child, read with ``os.wait4`` when it exits: no polling, nothing missed.
+torch, transformers and one set of weights, every one read, plus one forward). The peak RSS of each
+process is the kernel's own ``ru_maxrss`` of that child, read with ``os.wait4`` when it exits: no
+polling, nothing missed.
 
 Inside each training process the models and the optimizer the trainer builds are recorded (the
 benchmark wraps ``rallyrl.trainer.load_models`` and ``Learner.create``; rallyrl itself is unchanged) to
@@ -68,8 +69,13 @@ def child(kind: str, out: Path, iterations: int, extra: list[str]) -> None:
         cfg = load_config(str(CONFIG), extra)
         if cfg.model.prepare:  # the sentiments config converts SmolLM2 on first use
             prepare_model_folder(cfg.model.prepare, cfg.model.path)
-        lm = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype))
+        lm = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype)).eval()
         params = list(lm.parameters())
+        # The weights may be memory-mapped from the safetensors file: read every one (and run a forward)
+        # so that all of them are resident, as in training, instead of only the pages touched so far.
+        with torch.no_grad():
+            sum(float(p.sum()) for p in params)
+            lm(input_ids=torch.ones(16, 16, dtype=torch.long))
         out.write_text(json.dumps({"param_bytes": _unique_bytes(params), "trainable_params": 0,
                                    "optimizer_state_bytes": 0, "reference_own_bytes": 0}))
         return
