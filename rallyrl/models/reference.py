@@ -76,7 +76,9 @@ class SharedReference(nn.Module):
         if not 1 <= k <= L:
             raise ConfigError(f"model.num_layers_unfrozen must be between 1 and the model's {L} layers, got {k}")
         self._lm = [lm]  # a list: the trunk belongs to the policy, not to this module's parameters
-        self._first = blocks[L - k]
+        # A list too: an nn.Module attribute would register the policy's first trainable block as a
+        # submodule, so reference.parameters() would hold trainable weights.
+        self._first = [blocks[L - k]]
         self.blocks = frozen_copy(blocks[L - k :])
         self.norm = frozen_copy(norm)
         head, emb = lm.get_output_embeddings(), lm.get_input_embeddings()
@@ -94,7 +96,7 @@ class SharedReference(nn.Module):
             captured.update(args=args, kwargs=kwargs)
             raise _TrunkDone
 
-        handle = self._first.register_forward_pre_hook(stop, with_kwargs=True)
+        handle = self._first[0].register_forward_pre_hook(stop, with_kwargs=True)
         try:
             causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False)
         except _TrunkDone:
