@@ -74,7 +74,7 @@ class CopyReference(nn.Module):
 
 
 def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
-                    response_mask: torch.Tensor, hidden_states: bool) -> Any:
+                   response_mask: torch.Tensor, hidden_states: bool) -> Any:
     """The causal-LM forward both passes share, on [left-padded query | right-padded response]. Left
     padding shifts the real tokens, so positions count real tokens only (as generate() does); only the
     last T + 1 logits are computed where the model supports it."""
