@@ -534,6 +534,10 @@ def validate(cfg: Config) -> None:
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     positive("dist.timeout_s", cfg.dist.timeout_s)
     positive("model.num_layers_unfrozen", cfg.model.num_layers_unfrozen)
+    if cfg.model.arch == "seq2seq" and cfg.model.reference != "copy":
+        # checked here, not after loading a model: `rallyrl check` and the launcher's preflight see it
+        raise ConfigError(f"model.reference={cfg.model.reference!r} is implemented for model.arch=causal only; "
+                          f"use model.reference=copy with model.arch=seq2seq")
     positive("model.lora.r", cfg.model.lora.r)
     positive("model.lora.alpha", cfg.model.lora.alpha)
     if cfg.model.lora.dropout != 0:

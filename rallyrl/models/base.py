@@ -6,6 +6,7 @@ Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) resp
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,6 +45,13 @@ class Reference(Protocol):
         """(B, T) log-probabilities of the response tokens under the reference, logits divided by
         ``temperature`` (the sampling policy's temperature, so the KL compares like with like)."""
         ...
+
+
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` in eval mode with no gradients: what every reference holds of the
+    initial policy. Eval mode keeps dropout off (as the policy's passes); ``requires_grad_(False)``
+    keeps the copy out of the optimizer, so it never moves."""
+    return copy.deepcopy(module).eval().requires_grad_(False)
 
 
 def make_value_head(hidden: int, kind: str, std: float, seed: int, dtype: torch.dtype) -> nn.Module:

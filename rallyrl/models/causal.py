@@ -6,7 +6,6 @@ happens here and nowhere else.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import make_value_head
+from .base import frozen_copy, make_value_head
 
 
 class CausalPolicy(nn.Module):
@@ -34,7 +33,7 @@ class CausalPolicy(nn.Module):
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = response.shape[1]
-        out = _causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=True)
+        out = causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=True)
         logits = out.logits[:, -(T + 1) : -1]  # (B, T, V): position t-1 predicts response token t
         hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # (B, T, H)
         return logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
@@ -64,18 +63,18 @@ class CopyReference(nn.Module):
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
-        self.lm = copy.deepcopy(lm).eval().requires_grad_(False)
+        self.lm = frozen_copy(lm)
 
     @torch.no_grad()
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
         T = response.shape[1]
-        logits = _causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
+        logits = causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
         return ops.logprobs_from_logits(logits[:, -(T + 1) : -1].float() / temperature, response)  # (B, T)
 
 
-def _causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
-                    response_mask: torch.Tensor, hidden_states: bool) -> Any:
+def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                   response_mask: torch.Tensor, hidden_states: bool) -> Any:
     """The causal-LM forward both passes share, on [left-padded query | right-padded response]. Left
     padding shifts the real tokens, so positions count real tokens only (as generate() does); only the
     last T + 1 logits are computed where the model supports it."""

@@ -115,6 +115,10 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedMod
     (``tokenizer`` if already loaded). The trainer never names a model class."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    # config.validate refuses this first; the check here covers a ModelConfig built in code, before any load
+    if cfg.arch == "seq2seq" and cfg.reference != "copy":
+        raise ConfigError(f"model.reference={cfg.reference!r} is implemented for model.arch=causal only; "
+                          f"use model.reference=copy with model.arch=seq2seq")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)  # the folder was checked with the inputs
     auto, what = ((AutoModelForSeq2SeqLM, "seq2seq LM (model.arch: seq2seq)") if cfg.arch == "seq2seq"
                   else (AutoModelForCausalLM, "causal LM (model.arch: causal)"))
@@ -128,9 +132,6 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedMod
     reference: Reference
     policy: CausalPolicy | Seq2SeqPolicy
     if cfg.arch == "seq2seq":
-        if cfg.reference != "copy":
-            raise ConfigError(f"model.reference={cfg.reference!r} is implemented for model.arch=causal only; "
-                              f"use model.reference=copy with model.arch=seq2seq")
         reference = Seq2SeqCopyReference(lm)
         policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
         return LoadedModels(policy=policy, reference=reference, tokenizer=tok)

@@ -29,7 +29,8 @@ from torch.nn import functional as F
 
 from .. import ops
 from ..config import ConfigError, LoraConfig
-from .causal import _causal_forward
+from .base import frozen_copy
+from .causal import causal_forward
 
 # model_type -> (path of the block list, path of the final norm). Others with the same layout
 # (Mistral, Qwen2...) may differ in details (logit soft-capping, scaled heads), so they are refused
@@ -61,7 +62,7 @@ def _layout(lm: nn.Module) -> tuple[nn.ModuleList, nn.Module]:
 class SharedReference(nn.Module):
     """Frozen copies of the top blocks + final norm + head, over the policy LM's frozen trunk.
 
-    ``logprobs`` runs the policy LM (``causal._causal_forward``: same positions, masks and left padding
+    ``logprobs`` runs the policy LM (``causal.causal_forward``: same positions, masks and left padding
     as the policy) under ``no_grad`` with a pre-hook on its first unfrozen block that captures that
     block's inputs (hidden state and the kwargs the model computed: causal mask, rotary position
     embeddings, position ids) and stops the forward there, so the trunk runs once and the trainable
@@ -75,13 +76,15 @@ class SharedReference(nn.Module):
         if not 1 <= k <= L:
             raise ConfigError(f"model.num_layers_unfrozen must be between 1 and the model's {L} layers, got {k}")
         self._lm = [lm]  # a list: the trunk belongs to the policy, not to this module's parameters
-        self._first = blocks[L - k]
-        self.blocks = copy.deepcopy(blocks[L - k :]).eval().requires_grad_(False)
-        self.norm = copy.deepcopy(norm).eval().requires_grad_(False)
+        # A list too: an nn.Module attribute would register the policy's first trainable block as a
+        # submodule, so reference.parameters() would hold trainable weights.
+        self._first = [blocks[L - k]]
+        self.blocks = frozen_copy(blocks[L - k :])
+        self.norm = frozen_copy(norm)
         head, emb = lm.get_output_embeddings(), lm.get_input_embeddings()
         self.tied = head.weight is emb.weight
         # A tied head's weight is the (frozen) input embedding matrix: read it there, copy nothing.
-        self.head = None if self.tied else copy.deepcopy(head).eval().requires_grad_(False)
+        self.head = None if self.tied else frozen_copy(head)
 
     @torch.no_grad()
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
@@ -93,9 +96,9 @@ class SharedReference(nn.Module):
             captured.update(args=args, kwargs=kwargs)
             raise _TrunkDone
 
-        handle = self._first.register_forward_pre_hook(stop, with_kwargs=True)
+        handle = self._first[0].register_forward_pre_hook(stop, with_kwargs=True)
         try:
-            _causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False)
+            causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False)
         except _TrunkDone:
             pass
         finally:
@@ -149,7 +152,7 @@ class LoraReference(nn.Module):
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
         lm, T = self._lm[0], response.shape[1]
         with lm.disable_adapter():
-            logits = _causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False).logits
+            logits = causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False).logits
         return ops.logprobs_from_logits(logits[:, -(T + 1) : -1].float() / temperature, response)  # (B, T)
 
 

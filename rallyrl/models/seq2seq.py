@@ -9,7 +9,6 @@ response token t; no query tokens are ever concatenated with the response.
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import make_value_head
+from .base import frozen_copy, make_value_head
 
 
 class Seq2SeqPolicy(nn.Module):
@@ -56,7 +55,7 @@ class Seq2SeqCopyReference(nn.Module):
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
-        self.lm = copy.deepcopy(lm).eval().requires_grad_(False)
+        self.lm = frozen_copy(lm)
 
     @torch.no_grad()
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,

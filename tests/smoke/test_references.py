@@ -74,6 +74,9 @@ def test_reference_is_frozen_while_the_policy_learns(case, request):
     held = [p for g in learner.optimizer.param_groups for p in g["params"]]
     # the optimizer holds exactly the trainable parameters
     assert len(held) == len(trainable) and all(p.requires_grad for p in held)
+    # the reference owns only frozen weights (none of the policy's trainable ones, not even as a submodule)
+    trainable_ids = {id(p) for p in policy.parameters() if p.requires_grad}
+    assert not any(p.requires_grad or id(p) in trainable_ids for p in ref.parameters())
     frozen_before = {n: p.detach().clone() for n, p in policy.named_parameters() if not p.requires_grad}
     with torch.no_grad():
         lp0 = ops.logprobs_from_logits(policy(q, qm, r, rm)[0], r)

@@ -49,3 +49,14 @@ def test_seq2seq_generate_truncates_at_eos(t5):
         if tok.eos_token_id in r:
             assert r.index(tok.eos_token_id) == len(r) - 1
         assert o == tok.decode(r, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("reference", ["shared", "lora"])
+def test_seq2seq_refuses_causal_only_references_before_loading(reference, tmp_path):
+    from rallyrl.config import ConfigError, load_config
+
+    msg = rf"model.reference='{reference}' is implemented for model.arch=causal only"
+    with pytest.raises(ConfigError, match=msg):  # at config time: `rallyrl check` and the preflight see it
+        load_config({"model": {"path": "m", "arch": "seq2seq", "reference": reference}})
+    with pytest.raises(ConfigError, match=msg):  # a ModelConfig built in code: refused before any folder is read
+        load_models(ModelConfig(path=str(tmp_path / "missing"), arch="seq2seq", reference=reference), seed=0)
