@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import make_value_head
+from .base import lm_save_kwargs, make_value_head
 
 
 class CausalPolicy(nn.Module):
@@ -52,11 +52,13 @@ class CausalPolicy(nn.Module):
             hf_log.setLevel(level)
         return out[:, query.shape[1] :]  # (B, T'): a causal LM echoes the query first
 
-    def save_pretrained(self, out: Path) -> None:
+    def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """``state_dict``: this policy's whole state dict (``lm.*``, ``v_head.*``) when the module's own
+        parameters are shards (FSDP assembles it on the main rank); the LM part is what is written."""
         if self._save is not None:
             self._save(self.lm, Path(out))
         else:
-            self.lm.save_pretrained(out, safe_serialization=True)
+            self.lm.save_pretrained(out, safe_serialization=True, **lm_save_kwargs(state_dict))
 
 
 class CopyReference(nn.Module):

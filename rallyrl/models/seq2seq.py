@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import make_value_head
+from .base import lm_save_kwargs, make_value_head
 
 
 class Seq2SeqPolicy(nn.Module):
@@ -47,8 +47,8 @@ class Seq2SeqPolicy(nn.Module):
             hf_log.setLevel(level)
         return out[:, 1:]  # (B, T'): generate returns decoder ids, starting with the decoder-start token
 
-    def save_pretrained(self, out: Path) -> None:
-        self.lm.save_pretrained(out, safe_serialization=True)
+    def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        self.lm.save_pretrained(out, safe_serialization=True, **lm_save_kwargs(state_dict))  # as CausalPolicy
 
 
 class Seq2SeqCopyReference(nn.Module):
