@@ -26,6 +26,7 @@ call instead (``gathered``): one all-gather per unit, then no collective until i
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -59,6 +60,10 @@ def shard(module: nn.Module, forward_methods: Iterable[str] = ()) -> nn.Module:
         raise ValueError(
             f"model.sharding: fsdp cannot find the transformer blocks of {type(module).__name__}: its model "
             f"declares no `_no_split_modules`. Use model.sharding: ddp")
+    # The policy's forward returns slices (logits and values at the response positions); FSDP2 warns
+    # that an in-place op on such a view would skip its pre-backward hook. Nothing modifies them in
+    # place (the loss math is out of place), so the warning, printed by every rank, is noise here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = next(module.parameters()).device
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
     for block in blocks:
@@ -203,4 +208,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     time (``cpu_offload``), so rank 0 holds at most one full copy; an empty dict on the other ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Gathered tensors are separate copies; tied parameters (GPT-2's head and input embeddings) become
+    # one tensor again, so save_pretrained sees the tie and writes the matrix once.
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in full and id(p) in first:
+            full[name] = full[first[id(p)]]
+        first.setdefault(id(p), name)
+    return full

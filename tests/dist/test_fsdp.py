@@ -1,0 +1,142 @@
+"""model.sharding: fsdp on 2 processes (gloo, CPU): the same training as ddp within float tolerance, about
+half the per-rank parameter + optimizer bytes, sharded (DCP) checkpoints with exact resume after SIGKILL,
+and a final/ folder that plain transformers loads."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rallyrl.tracking import read_jsonl
+from tests.helpers.runs import ROOT, base_config, env, rallyrl_train, write_config
+
+pytestmark = pytest.mark.dist
+
+COMPARED = ("policy/loss", "value/loss", "policy/total_loss", "policy/grad_norm", "policy/kl", "policy/clipfrac",
+            "policy/approx_kl", "reward/mean", "value/mean")
+
+
+def _cfg(model, run_dir, sharding):
+    cfg = base_config(model, run_dir, train={"iterations": 2}, checkpoint={"interval": 1, "keep_last": 2},
+                      ppo={"target_kl": 0.5, "reward_scaling": "running", "max_grad_norm": 0.5},
+                      reward={"fn": "tests.helpers.rewards:hashed_with_crashes"})
+    cfg["model"]["sharding"] = sharding
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """An uninterrupted ddp run and the same run with fsdp (2 iterations, 4 optimizer steps each)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    out = {}
+    for sharding in ("ddp", "fsdp"):
+        cfg = _cfg(tiny_model, tmp / sharding, sharding)
+        proc = rallyrl_train(write_config(tmp / f"{sharding}.yaml", cfg), 2)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        out[sharding] = tmp / sharding
+    return out
+
+
+def test_fsdp_trains_like_ddp_with_half_the_bytes_per_rank(runs):
+    ddp, fsdp = read_jsonl(runs["ddp"] / "metrics.jsonl"), read_jsonl(runs["fsdp"] / "metrics.jsonl")
+    assert [m["step"] for m in ddp] == [m["step"] for m in fsdp] == [1, 2]
+    for a, b in zip(ddp, fsdp):
+        for k in COMPARED:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k, a[k], b[k])
+        # the clipping threshold is active, so the norms (of the whole gradient, over the shards) matter
+        assert a["policy/grad_norm"] > 0.5
+    # the same samples were generated (gathered weights are the full weights), and scored alike
+    ra, rb = read_jsonl(runs["ddp"] / "rollouts.jsonl"), read_jsonl(runs["fsdp"] / "rollouts.jsonl")
+    assert [(r["step"], r["index"], r["output"]) for r in ra] == [(r["step"], r["index"], r["output"]) for r in rb]
+    # rank 0 holds about half of the parameters (policy + value head + reference) and optimizer state
+    for a, b in zip(ddp, fsdp):
+        assert a["memory/params_bytes"] > 0 and a["memory/optimizer_bytes"] > 0
+        total_a = a["memory/params_bytes"] + a["memory/optimizer_bytes"]
+        total_b = b["memory/params_bytes"] + b["memory/optimizer_bytes"]
+        assert 0.4 < total_b / total_a < 0.6, (total_a, total_b)
+        # AdamW: two moments per trained parameter (the reference is frozen)
+        assert b["memory/optimizer_bytes"] < 0.6 * a["memory/optimizer_bytes"]
+
+
+def test_fsdp_checkpoint_is_sharded_and_final_loads_with_transformers(runs, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = runs["fsdp"] / "checkpoints" / "step_2"
+    shards = sorted(p.name for p in (ckpt / "sharded").iterdir())
+    assert shards == ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+    assert not (ckpt / "policy.safetensors").exists()
+    # each rank wrote its own half (policy + value head weights and Adam moments: ~3 copies / 2 each)
+    sizes = [(ckpt / "sharded" / s).stat().st_size for s in shards]
+    full_weights = (runs["ddp"] / "checkpoints" / "step_2" / "policy.safetensors").stat().st_size
+    assert all(1.2 * full_weights < s < 1.8 * full_weights for s in sizes), (sizes, full_weights)
+    import json
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) >= {f"sharded/{s}" for s in shards}
+
+    final = AutoModelForCausalLM.from_pretrained(runs["fsdp"] / "final")
+    ddp_final = AutoModelForCausalLM.from_pretrained(runs["ddp"] / "final")
+    a, b = ddp_final.state_dict(), final.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert any(not torch.equal(initial[k], b[k]) for k in b)  # it trained
+    # written once, tied as the input model (the head is the embedding matrix)
+    saved = load_file(runs["fsdp"] / "final" / "model.safetensors")
+    assert saved.keys() == load_file(runs["ddp"] / "final" / "model.safetensors").keys()
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (the launcher's workers run in sessions of their own)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            todo += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def test_fsdp_resume_after_sigkill_is_bit_identical(runs, tiny_model, tmp_path):
+    cfg_b = write_config(tmp_path / "b.yaml", _cfg(tiny_model, tmp_path / "B", "fsdp"))
+    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(cfg_b), "--nproc", "2"]
+    # 2 chunk rounds per iteration: reward call 4 is the 2nd round of iteration 2 (after checkpoint 1)
+    e = env(RALLYRL_TEST_PAUSE_AT="4", RALLYRL_TEST_COUNTER=str(tmp_path / "calls"))
+    victim = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "calls.paused").exists():
+        assert victim.poll() is None and time.monotonic() < deadline, "run ended before the kill point"
+        time.sleep(0.2)
+    for pid in _descendants(victim.pid):  # every process of this run, by id
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert victim.wait(timeout=30) == -9
+    assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir() if not p.name.startswith(".")) == \
+        ["step_1"]
+
+    resumed = subprocess.run(cmd + ["--set", "train.resume=latest"], cwd=ROOT, env=e, capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+
+    a = load_file(runs["fsdp"] / "final" / "model.safetensors")
+    b = load_file(tmp_path / "B" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "memory/"))}  # noqa: E731
+    ma, mb = read_jsonl(runs["fsdp"] / "metrics.jsonl"), read_jsonl(tmp_path / "B" / "metrics.jsonl")
+    assert [strip(m) for m in ma] == [strip(m) for m in mb]
+    # the resumed optimizer state is the uninterrupted run's: the last checkpoints are identical
+    for name in ("shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"):
+        sa = load_file(runs["fsdp"] / "checkpoints" / "step_2" / "sharded" / name)
+        sb = load_file(tmp_path / "B" / "checkpoints" / "step_2" / "sharded" / name)
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), name
