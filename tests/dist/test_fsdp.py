@@ -140,3 +140,24 @@ def test_fsdp_resume_after_sigkill_is_bit_identical(runs, tiny_model, tmp_path):
         sa = load_file(runs["fsdp"] / "checkpoints" / "step_2" / "sharded" / name)
         sb = load_file(tmp_path / "B" / "checkpoints" / "step_2" / "sharded" / name)
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), name
+
+
+def test_fsdp_seq2seq_t5_trains_sharded_and_saves_a_loadable_final(tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    from rallyrl.sharding import local_nbytes
+    from rallyrl.testing import build_tiny_t5
+
+    t5 = build_tiny_t5(tmp_path / "t5")
+    cfg = base_config(t5, tmp_path / "run", train={"iterations": 1})
+    cfg["model"].update(arch="seq2seq", sharding="fsdp")
+    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (m,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    initial = AutoModelForSeq2SeqLM.from_pretrained(t5)
+    # unsharded: the policy's LM + the reference's copy + the value head (H -> 1)
+    whole = 2 * local_nbytes(initial.parameters()) + (initial.config.d_model + 1) * 4
+    assert 0.45 < m["memory/params_bytes"] / whole < 0.55, (m["memory/params_bytes"], whole)
+    final = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "run" / "final")
+    a, b = initial.state_dict(), final.state_dict()
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
