@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config import ConfigError
+
 # --- sharding a model ---------------------------------------------------------------------------
 
 
@@ -57,7 +59,7 @@ def shard(module: nn.Module, forward_methods: Iterable[str] = ()) -> nn.Module:
     names = block_classes(module)
     blocks = [m for m in module.modules() if type(m).__name__ in names]
     if not blocks:
-        raise ValueError(
+        raise ConfigError(
             f"model.sharding: fsdp cannot find the transformer blocks of {type(module).__name__}: its model "
             f"declares no `_no_split_modules`. Use model.sharding: ddp")
     # The policy's forward returns slices (logits and values at the response positions); FSDP2 warns
