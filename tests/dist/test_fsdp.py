@@ -161,3 +161,17 @@ def test_fsdp_seq2seq_t5_trains_sharded_and_saves_a_loadable_final(tmp_path):
     final = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "run" / "final")
     a, b = initial.state_dict(), final.state_dict()
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp_nonfinite_steps_are_skipped_on_every_rank(tiny_model, tmp_path):
+    """The guard of Learner.step over sharded gradients: an infinite loss (a huge reward) makes every
+    rank skip every step; the weights assembled into final/ are exactly the initial ones."""
+    cfg = base_config(tiny_model, tmp_path / "run", train={"iterations": 1},
+                      reward={"fn": "tests.helpers.rewards:huge"}, ppo={"max_nonfinite_skips": 100})
+    cfg["model"]["sharding"] = "fsdp"
+    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (m,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert m["policy/nonfinite_skips"] == 4 and m["policy/optimizer_steps"] == 0
+    a, b = load_file(tiny_model / "model.safetensors"), load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
