@@ -64,15 +64,12 @@ class Learner:
     def memory(self, *frozen: torch.nn.Module) -> dict[str, float]:
         """``memory/*`` metrics of this rank: bytes of the parameters it holds (the trained model and the
         ``frozen`` ones, e.g. the reference; local shards under FSDP; tied or shared weights once) and
-        of the optimizer state, and the process's peak resident set size so far."""
-        import resource
-        import sys
-
+        of the optimizer state. Deterministic (a resumed run logs what the uninterrupted one did), so
+        process-level measures such as peak RSS are not logged here (benchmarks measure them)."""
         params = [p for m in (self.model, *frozen) for p in m.parameters()]
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         return {"memory/params_bytes": float(dist.local_nbytes(params)),
-                "memory/optimizer_bytes": float(dist.local_nbytes(state)), "memory/peak_rss_bytes": float(rss)}
+                "memory/optimizer_bytes": float(dist.local_nbytes(state))}
 
     def load_state_dict(self, scheduler_state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **scheduler_state})
