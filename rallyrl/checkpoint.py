@@ -31,7 +31,9 @@ Why it is built this way:
   without a valid manifest is refused with an error naming what is wrong.
 - **Safe to load**: only safetensors and JSON are read; nothing is unpickled.
 - **Exact**: every piece of state that influences later iterations is saved, including each rank's RNG
-  streams, so a resumed run is the same run (final weights bit-identical on CPU).
+  streams, so a resumed run is the same run (final weights bit-identical on CPU). On another number of
+  processes the rank streams are re-derived instead (everything else carries over): the run continues,
+  but not bit-identically.
 
 On several nodes, ``train.run_dir`` must be on storage shared by all nodes (every rank writes its RNG
 state into the checkpoint folder).
@@ -309,25 +311,29 @@ def resolve_resume(run_dir: Path, resume: str) -> Path:
 def load_checkpoint(
     path: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, shuffle_gen: torch.Generator
 ) -> dict[str, Any]:
-    """Restore weights, optimizer and this rank's RNG; returns the trainer state dict."""
+    """Restore weights, optimizer and this rank's RNG; returns the trainer state dict.
+
+    A checkpoint written by another number of processes restores everything but the RNG streams: the
+    weights, optimizer, schedule and trainer state are the same on every rank (replicated under DDP),
+    but rank R's saved streams belong to a different split of the batch (and a new rank has none). The
+    caller re-derives them (``trainer._resume``; the run is then not bit-identical to an uninterrupted
+    one, and says so)."""
     state = json.loads((path / "trainer_state.json").read_text())
-    if state["world_size"] != dist.world_size():
-        raise CheckpointError(
-            f"checkpoint {path} was written by {state['world_size']} processes; this run has "
-            f"{dist.world_size()} (every rank's RNG stream is part of the checkpoint)"
-        )
     saved_sharding, sharded = state.get("sharding", "ddp"), dist.is_sharded()
     if saved_sharding != ("fsdp" if sharded else "ddp"):
         raise CheckpointError(
             f"checkpoint {path} holds a {saved_sharding} checkpoint; this run uses "
             f"{'fsdp' if sharded else 'ddp'} (model.sharding; fsdp on one process runs as ddp): resume it with "
-            f"the model.sharding and process count it was written with")
+            f"the model.sharding it was written with")
     if sharded:
+        # DCP reshards: each rank reads its slices from whichever files hold them, so the checkpoint
+        # may come from another number of processes.
         groups = _load_split(path / "optimizer")["param_groups"]
         dist.agree(lambda: sharding.load_sharded(str(path / SHARDED_DIR), policy, optimizer, groups),
                    CheckpointError, what=f"loading checkpoint {path}")
     else:
         missing, unexpected = load_model(policy, str(path / "policy.safetensors"), strict=True)
         optimizer.load_state_dict(_load_split(path / "optimizer"))
-    restore_rank_rng_state(_load_split(path / f"rng_rank{dist.rank()}"), shuffle_gen)
+    if state["world_size"] == dist.world_size():
+        restore_rank_rng_state(_load_split(path / f"rng_rank{dist.rank()}"), shuffle_gen)
     return state

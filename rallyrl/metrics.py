@@ -28,7 +28,9 @@ def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor,
         "ret_sum": float(returns.mul(m).sum()), "ret_sq": float(returns.double().pow(2).mul(m).sum()),
         "res_sum": float(resid.sum()), "res_sq": float(resid.double().pow(2).sum()),
         "calls": float(rstats.calls), "samples": float(rstats.samples), "time_reward": rstats.time_reward,
-        **{f"u_{k}": v for k, v in upd.items()},
+        # The update's wall time is each rank's own (logged as the main rank's, time/update): a sum
+        # over ranks means nothing, so it stays out of the reduction.
+        **{f"u_{k}": v for k, v in upd.items() if k != "time"},
         **{f"c_{n}": float(sum(c.get(n, 0.0) for c in ro.reward_components)) for n in names},
     }
     g = dist.reduce_stats(local)

@@ -25,10 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-def stream_seed(seed: int, stream: str, rank: int | None = None) -> int:
+def stream_seed(seed: int, stream: str, rank: int | None = None, iteration: int | None = None) -> int:
     """The seed of one named random stream: the ONE derivation every stream uses.
 
     ``rank=None`` gives a shared stream (identical on every rank); an int gives that rank's own stream.
+    ``iteration`` (per-rank streams only) re-derives a rank's stream as of that iteration: a run resumed
+    on another number of processes has no saved state for its ranks' streams, so it starts them here
+    (see ``docs/checkpoints.md``). Without it the derivation is the one every run starts with.
     Mixing through numpy's ``SeedSequence`` (not ``seed + k``) keeps streams of nearby seeds, ranks and
     names statistically independent: seed 1 / rank 0 never equals seed 0 / rank 1.
 
@@ -41,8 +44,13 @@ def stream_seed(seed: int, stream: str, rank: int | None = None) -> int:
     - ``sampling`` (per rank): generation; ranks given the same prompt must not sample the same response.
     - ``minibatch`` (per rank): each rank's minibatch order over its own samples.
     """
+    if iteration is not None and rank is None:
+        raise ValueError("stream_seed: only a per-rank stream is re-derived at an iteration")
     salt = zlib.crc32(stream.encode())
-    entropy = [seed % (2**63), salt] + ([] if rank is None else [rank + 1])
+    # The entropy's length tells the three kinds apart: [seed, salt] shared, [.., rank+1] per rank,
+    # [.., rank+1, iteration+1] per rank re-derived at an iteration (never equal to a start-of-run stream).
+    entropy = ([seed % (2**63), salt] + ([] if rank is None else [rank + 1])
+               + ([] if iteration is None else [iteration + 1]))
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
@@ -51,10 +59,11 @@ def stream_generator(seed: int, stream: str, rank: int | None = None) -> torch.G
     return torch.Generator().manual_seed(stream_seed(seed, stream, rank))
 
 
-def seed_everything(seed: int, rank: int) -> None:
+def seed_everything(seed: int, rank: int, iteration: int | None = None) -> None:
     """Seed the global RNGs (python, numpy, torch CPU and every CUDA device) with this rank's
-    ``sampling`` stream. Every other stream uses an explicit generator from ``stream_generator``."""
-    s = stream_seed(seed, "sampling", rank)
+    ``sampling`` stream (re-derived at ``iteration`` if given: see ``stream_seed``). Every other stream
+    uses an explicit generator from ``stream_generator``."""
+    s = stream_seed(seed, "sampling", rank, iteration)
     random.seed(s)
     np.random.seed(s % (2**32))
     torch.manual_seed(s)

@@ -52,9 +52,17 @@ class RunDir:
         self.path = Path(path)
         self.resuming = False  # decided by check_start
         self.changes: list[Change] = []  # config changes against the recorded run (a resume)
+        # The manifest, read from disk once and then kept here: only this object (on the main rank) writes
+        # it, and every change is written through at once (see ``record``).
+        self._manifest_cache: dict[str, list[str]] | None = None
 
     # --- what is there ---------------------------------------------------------------------------
     def _manifest(self) -> dict[str, list[str]]:
+        if self._manifest_cache is None:
+            self._manifest_cache = self._read_manifest()
+        return self._manifest_cache
+
+    def _read_manifest(self) -> dict[str, list[str]]:
         f = self.path / MANIFEST
         if not f.is_file():
             return {"files": [], "dirs": []}
@@ -159,10 +167,13 @@ class RunDir:
         return [n for n in OUTPUTS if n != "eval"] + [f"eval/step_{s}.jsonl" for s in eval_steps]
 
     # --- start writing (collective) --------------------------------------------------------------
-    def open(self, cfg: Config, resumed_from: Path | None, iteration: int) -> "RunWriter | None":
+    def open(self, cfg: Config, resumed_from: Path | None, iteration: int,
+             was_world_size: int | None = None) -> "RunWriter | None":
         """Main rank: a fresh start removes rallyrl's own earlier outputs and writes ``config.yaml``; a
         resume leaves ``config.yaml`` as first written and appends what changed, and at which iteration,
-        to ``config_history.jsonl``. Returns the writer there (None elsewhere). Every rank waits here."""
+        to ``config_history.jsonl`` (a resume on another number of processes than ``was_world_size``, the
+        checkpoint's, is recorded there too: from that iteration on the run is not bit-identical to an
+        uninterrupted one). Returns the writer there (None elsewhere). Every rank waits here."""
         writer = None
         if dist.is_main():
             self.path.mkdir(parents=True, exist_ok=True)
@@ -175,11 +186,19 @@ class RunDir:
                 for name, is_dir in OUTPUTS.items():
                     if (self.path / name).exists():
                         self.record(name, is_dir or (self.path / name).is_dir())
+                changes = self.changes
                 if not (self.path / "config.yaml").exists():
                     self.write_file("config.yaml", cfg.to_yaml())
-                elif self.changes:
-                    row = {"iteration": iteration, "checkpoint": str(resumed_from),
-                           "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in self.changes]}
+                    changes = []  # the config just written is the one in use
+                resized = was_world_size is not None and was_world_size != dist.world_size()
+                if changes or resized:
+                    row: dict[str, Any] = {"iteration": iteration, "checkpoint": str(resumed_from),
+                                           "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in changes]}
+                    if resized:
+                        # Not a config key (recorded_config replays only "changes"): the process count is
+                        # a launch setting, but the record must say where exactness ended.
+                        row["world_size"] = {"old": was_world_size, "new": dist.world_size()}
+                        row["bit_identical"] = False
                     with open(self.claim("config_history.jsonl"), "a", encoding="utf-8") as f:
                         f.write(json.dumps(row) + "\n")
             writer = RunWriter(self, cfg.train.tensorboard)
@@ -197,16 +216,21 @@ class RunDir:
         if eval_dir.is_dir() and not any(eval_dir.iterdir()):
             eval_dir.rmdir()
         (self.path / MANIFEST).unlink(missing_ok=True)
+        self._manifest_cache = {"files": [], "dirs": []}
 
     # --- recording what rallyrl writes (main rank) -----------------------------------------------
     def record(self, rel: str, is_dir: bool = False) -> None:
+        """List ``rel`` as rallyrl's. The manifest on disk is rewritten (atomically: a temporary file, then
+        ``os.replace``) before the caller creates ``rel``, so a crash at any point leaves a manifest that
+        lists everything rallyrl wrote; nothing is written when ``rel`` is already listed."""
         m = self._manifest()
         key = "dirs" if is_dir else "files"
         if rel not in m[key]:
-            m[key].append(rel)
+            updated = {**m, key: [*m[key], rel]}
             tmp = self.path / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(m, indent=1), encoding="utf-8")
+            tmp.write_text(json.dumps(updated, indent=1), encoding="utf-8")
             os.replace(tmp, self.path / MANIFEST)
+            self._manifest_cache = updated  # only once it is on disk: a failed write changes nothing here
 
     def claim(self, rel: str, is_dir: bool = False) -> Path:
         """The path of an output about to be written; refuses a file or folder rallyrl did not write."""
@@ -339,12 +363,20 @@ class RunLog:
             self.bar = tqdm(total=self.total, initial=start, desc="ppo", unit="it", file=sys.stderr,
                             dynamic_ncols=True, leave=False)
 
-    def start(self, plan: Any, cfg: Config, resumed_from: Path | None, iteration: int) -> None:
+    def start(self, plan: Any, cfg: Config, resumed_from: Path | None, iteration: int,
+              was_world_size: int | None = None) -> None:
         self.say(f"rallyrl: {plan.world_size} process(es), {plan.num_rollouts} rollouts/iteration "
                  f"({'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s)), "
                  f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
         if resumed_from is not None:
             self.say(f"resumed from {resumed_from} at iteration {iteration}")
+        if resumed_from is not None and was_world_size is not None and was_world_size != plan.world_size:
+            n = plan.world_size
+            self.say(f"rallyrl: the run continues from step {iteration} on {n} process{'' if n == 1 else 'es'} (was "
+                     f"{was_world_size}); weights, optimizer, LR schedule, KL controller, reward moments and the "
+                     f"prompt position carried over, the per-rank random streams (generation sampling, "
+                     f"minibatch order) were re-derived from train.seed, the rank and the iteration, so it is "
+                     f"not bit-identical to an uninterrupted run (recorded in config_history.jsonl)")
 
     def interrupted(self, completed: int, newest: Path | None) -> None:
         """Ctrl-C: close the bar first so the line stands on its own, then say how to continue."""

@@ -112,7 +112,7 @@ def ppo_update(learner: Learner, ro: Rollouts, advantages: torch.Tensor, returns
                state: TrainState, ppo: PPOConfig, temperature: float, device: torch.device) -> dict[str, float]:
     """``ppo.epochs`` passes over the batch in ``ppo.num_minibatches`` optimizer steps. Returns the sums
     of ``UPDATE_STATS`` plus ``grad_norm`` (summed over applied steps), ``steps``, ``skipped`` and
-    ``time`` (seconds)."""
+    ``time`` (this rank's wall seconds; not reduced)."""
     t_start, B, M, W = time.perf_counter(), len(ro), ppo.num_minibatches, dist.world_size()
     # Lengths on the host once per update: micro-batches trim all-padding columns with plain ints.
     resp_len, query_len = ro.response_mask.sum(1).tolist(), ro.query_mask.sum(1).tolist()
@@ -202,9 +202,10 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding)
     models, learner, state, reward_step = _build(cfg, inp, device)
-    resumed_from = _resume(run_dir, cfg, models, learner, state)
-    log = RunLog(run_dir.open(cfg, resumed_from, state.iteration), cfg, state.iteration, TrainResult(run_dir.path))
-    log.start(plan := inp.plan, cfg, resumed_from, state.iteration)
+    resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
+    log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
+                 TrainResult(run_dir.path))
+    log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
 
     def run_eval(step: int) -> dict[str, float]:
         return log.eval(step, *evaluate(models, reward_step, inp.eval_set, inp.metric_fn, cfg.generation,
@@ -274,22 +275,31 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     return models, learner, state, reward_step
 
 
-def _resume(run_dir: RunDir, cfg: Config, models: LoadedModels, learner: Learner, state: TrainState) -> Path | None:
-    """Restore the run from the checkpoint the main rank picks (so every rank loads the same one)."""
+def _resume(run_dir: RunDir, cfg: Config, models: LoadedModels, learner: Learner,
+            state: TrainState) -> tuple[Path | None, int | None]:
+    """Restore the run from the checkpoint the main rank picks (so every rank loads the same one).
+    Returns the checkpoint and the number of processes that wrote it (None, None for a fresh start)."""
     path = run_dir.resume_point(cfg.train)
     if path is None:
-        return None
+        return None, None
     saved = ckpt.load_checkpoint(path, models.policy, learner.optimizer, state.shuffle_gen)
     state.load_state_dict(saved)
     learner.load_state_dict(saved["scheduler"])
     # The config's optimizer settings win over the checkpoint's (identical unless a change was allowed,
     # in which case the new lr really takes effect; the schedule's position carries over).
     learner.apply(cfg.ppo)
-    if any(c.key == "train.seed" for c in run_dir.changes):  # an allowed seed change: new streams from here
-        seed_everything(cfg.train.seed, dist.rank())
-        state.shuffle_gen.manual_seed(stream_seed(cfg.train.seed, "minibatch", dist.rank()))
+    R = dist.rank()
+    if saved["world_size"] != dist.world_size():
+        # Another number of processes: what is global (weights, optimizer, schedule, KL controller,
+        # reward moments, the shared prompt sampler) carried over above; rank R's saved streams drew for
+        # another split of the batch, so every rank starts its streams afresh at this iteration.
+        seed_everything(cfg.train.seed, R, iteration=state.iteration)
+        state.shuffle_gen.manual_seed(stream_seed(cfg.train.seed, "minibatch", R, iteration=state.iteration))
+    elif any(c.key == "train.seed" for c in run_dir.changes):  # an allowed seed change: new streams from here
+        seed_everything(cfg.train.seed, R)
+        state.shuffle_gen.manual_seed(stream_seed(cfg.train.seed, "minibatch", R))
     run_dir.truncate_logs(state.iteration)
-    return path
+    return path, saved["world_size"]
 
 
 def _check_finite(metrics: dict[str, float], upd: dict[str, float], step: int, ppo: PPOConfig,

@@ -104,11 +104,13 @@ def test_resume_continues_to_the_same_weights(run, tiny_model, tmp_path):
     assert read_jsonl(resumed / "rollouts.jsonl") == read_jsonl(run_dir / "rollouts.jsonl")
 
 
-def test_resume_with_another_world_size_is_refused(run, tiny_model, tmp_path):
+def test_resume_with_another_world_size_continues_and_says_so(run, tiny_model, tmp_path, capsys):
+    """A consistent checkpoint that says 2 processes resumes on 1 (the real 2 -> 3 and 2 -> 1 runs are in
+    tests/dist/test_resume_world_size.py); an edit the manifest does not know is still refused."""
     import hashlib
 
     run_dir, _ = run
-    step = tmp_path / "step_2"
+    step = tmp_path / "r" / "checkpoints" / "step_2"
     shutil.copytree(run_dir / "checkpoints" / "step_2", step)
     state = json.loads((step / "trainer_state.json").read_text())
     state["world_size"] = 2
@@ -119,9 +121,13 @@ def test_resume_with_another_world_size_is_refused(run, tiny_model, tmp_path):
     data = (step / "trainer_state.json").read_bytes()
     manifest["files"]["trainer_state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (step / "manifest.json").write_text(json.dumps(manifest))
-    cfg = base_config(tiny_model, tmp_path / "r", train={"iterations": 3, "resume": str(step)})
-    with pytest.raises(CheckpointError, match="written by 2 processes; this run has 1"):
-        rallyrl.train(cfg)  # ...and a consistent checkpoint from another world size is refused
+    cfg = base_config(tiny_model, tmp_path / "r", train={"iterations": 3, "resume": "latest"},
+                      ppo={"target_kl": 1.0})
+    rallyrl.train(cfg)  # ...and a consistent one from another world size continues
+    assert capsys.readouterr().err.count("the run continues from step 2 on 1 process (was 2)") == 1
+    assert [m["step"] for m in read_jsonl(tmp_path / "r" / "metrics.jsonl")] == [3]
+    (row,) = read_jsonl(tmp_path / "r" / "config_history.jsonl")
+    assert row["world_size"] == {"old": 2, "new": 1} and row["bit_identical"] is False
 
 
 def test_split_join_roundtrip_keeps_types():

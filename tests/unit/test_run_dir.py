@@ -106,3 +106,36 @@ def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path):
     _fake_run(run)
     (run / "checkpoints" / "step_2").mkdir(parents=True)
     assert RunDir.check_start(run, _cfg(run, resume="auto"), []).resuming
+
+
+def test_the_manifest_is_read_once_and_on_disk_before_each_claimed_file(tmp_path, monkeypatch):
+    """RunDir keeps the manifest in memory (one read), yet every claim is on disk before the claimed file
+    exists: a run killed right after a claim leaves a manifest that lists it, so overwrite removes it."""
+    run = tmp_path / "run"
+    cfg = _cfg(run)
+    rd = RunDir.check_start(run, cfg, [0, 1, 2])
+    reads = []
+    real_read = RunDir._read_manifest
+    monkeypatch.setattr(RunDir, "_read_manifest", lambda self: reads.append(1) or real_read(self))
+    w = rd.open(cfg, None, 0)
+    for s in range(3):
+        w.log_eval_samples(s, [{"index": s}])  # claims eval/ once and eval/step_<s>.jsonl each time
+    rd.claim("final", is_dir=True)
+    w.close()
+    assert len(reads) == 1, reads  # the first look (open's clear_own), then never again
+    on_disk = json.loads((run / MANIFEST).read_text())
+    assert on_disk == rd._manifest()
+    assert set(on_disk["files"]) == {"config.yaml", "metrics.jsonl", "rollouts.jsonl",
+                                     *(f"eval/step_{s}.jsonl" for s in range(3))}
+    assert set(on_disk["dirs"]) == {"eval", "final"}
+
+    # crash safety: the claim is recorded on disk before the caller creates the file
+    path = rd.claim("eval/step_9.jsonl")
+    assert not path.exists() and "eval/step_9.jsonl" in json.loads((run / MANIFEST).read_text())["files"]
+    # an unwritable manifest (here: its temporary file's name is taken by a folder) fails the claim and
+    # leaves the in-memory copy as it was, equal to the file
+    (run / (MANIFEST + ".tmp")).mkdir()
+    with pytest.raises(OSError):
+        rd.claim("eval/step_10.jsonl")
+    assert rd._manifest() == json.loads((run / MANIFEST).read_text())
+    assert "eval/step_10.jsonl" not in rd._manifest()["files"]

@@ -15,6 +15,18 @@ def test_stream_seeds_are_deterministic_and_distinct():
     assert all(0 <= x < 2**63 for x in seeds)
 
 
+def test_streams_re_derived_at_an_iteration_are_new_and_deterministic():
+    """A resume on another world size re-derives each rank's streams from (seed, rank, iteration)."""
+    start = {stream_seed(s, name, r) for s in (0, 1) for name in ("sampling", "minibatch") for r in (0, 1, 2)}
+    later = {stream_seed(s, name, r, iteration=i) for s in (0, 1) for name in ("sampling", "minibatch")
+             for r in (0, 1, 2) for i in (0, 1, 5)}
+    assert len(later) == 36 and not later & start  # iteration 0 is not the start-of-run stream either
+    assert stream_seed(3, "sampling", 1, iteration=5) == stream_seed(3, "sampling", 1, iteration=5)
+    assert stream_seed(3, "sampling", 1) == stream_seed(3, "sampling", 1, iteration=None)  # unchanged
+    with pytest.raises(ValueError, match="per-rank"):
+        stream_seed(3, "prompt_order", None, iteration=5)  # a shared stream is never re-derived
+
+
 def test_agree_raises_the_stage_error_with_the_cause():
     def boom():
         raise ValueError("disk on fire")
