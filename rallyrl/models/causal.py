@@ -47,7 +47,12 @@ class CausalPolicy(nn.Module):
         level = hf_log.level
         hf_log.setLevel(logging.ERROR)
         try:
-            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, **sampling)
+            # synced_gpus=False: ranks never decode in lock-step. transformers turns synced_gpus on for a
+            # model with FSDP-sharded blocks (a per-step all-reduce of "done" flags), which would hang
+            # when ranks call generate() different numbers of times; rallyrl gathers the weights for the
+            # whole call instead (dist.gathered), so decoding needs no collective at all.
+            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False,
+                                   **sampling)
         finally:
             hf_log.setLevel(level)
         return out[:, query.shape[1] :]  # (B, T'): a causal LM echoes the query first

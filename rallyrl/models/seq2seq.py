@@ -42,7 +42,8 @@ class Seq2SeqPolicy(nn.Module):
         level = hf_log.level
         hf_log.setLevel(logging.ERROR)
         try:
-            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, **sampling)
+            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False,
+                                   **sampling)  # synced_gpus=False: see CausalPolicy.generate
         finally:
             hf_log.setLevel(level)
         return out[:, 1:]  # (B, T'): generate returns decoder ids, starting with the decoder-start token

@@ -3,6 +3,7 @@ half the per-rank parameter + optimizer bytes, sharded (DCP) checkpoints with ex
 and a final/ folder that plain transformers loads."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,10 @@ COMPARED = ("policy/loss", "value/loss", "policy/total_loss", "policy/grad_norm"
 
 
 def _cfg(model, run_dir, sharding):
+    # Greedy decoding: a rollout then depends on the weights only, not on a rank's random stream, which
+    # lets the 2 -> 3 process resume below check the resharded weights through the samples they produce.
     cfg = base_config(model, run_dir, train={"iterations": 2}, checkpoint={"interval": 1, "keep_last": 2},
+                      generation={"do_sample": False},
                       ppo={"target_kl": 0.5, "reward_scaling": "running", "max_grad_norm": 0.5},
                       reward={"fn": "tests.helpers.rewards:hashed_with_crashes"})
     cfg["model"]["sharding"] = sharding
@@ -51,7 +55,7 @@ def test_fsdp_trains_like_ddp_with_half_the_bytes_per_rank(runs):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k, a[k], b[k])
         # the clipping threshold is active, so the norms (of the whole gradient, over the shards) matter
         assert a["policy/grad_norm"] > 0.5
-    # the same samples were generated (gathered weights are the full weights), and scored alike
+    # the same samples were generated (gathered weights are the whole weights)
     ra, rb = read_jsonl(runs["ddp"] / "rollouts.jsonl"), read_jsonl(runs["fsdp"] / "rollouts.jsonl")
     assert [(r["step"], r["index"], r["output"]) for r in ra] == [(r["step"], r["index"], r["output"]) for r in rb]
     # rank 0 holds about half of the parameters (policy + value head + reference) and optimizer state
@@ -140,6 +144,40 @@ def test_fsdp_resume_after_sigkill_is_bit_identical(runs, tiny_model, tmp_path):
         sa = load_file(runs["fsdp"] / "checkpoints" / "step_2" / "sharded" / name)
         sb = load_file(tmp_path / "B" / "checkpoints" / "step_2" / "sharded" / name)
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), name
+
+
+def test_fsdp_resume_on_three_processes_reshards_weights_and_optimizer(runs, tiny_model, tmp_path):
+    """The 2-process fsdp run's step_1 resumed on 3 processes: DCP reads each new rank's 1/3 slices out of
+    the two shard files. Greedy decoding makes iteration 2's samples a function of the weights alone, so
+    the same outputs as the uninterrupted run's iteration 2 show the weights were resharded exactly."""
+    run = tmp_path / "B"
+    shutil.copytree(runs["fsdp"], run, ignore=shutil.ignore_patterns("step_2", "final"))
+    cfg = _cfg(tiny_model, run, "fsdp")
+    cfg["train"]["resume"] = "latest"
+    proc = rallyrl_train(write_config(tmp_path / "b.yaml", cfg), 3)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stderr.count("the run continues from step 1 on 3 processes (was 2)") == 1, proc.stderr[-3000:]
+
+    ra = [r for r in read_jsonl(runs["fsdp"] / "rollouts.jsonl") if r["step"] == 2]
+    rb = [r for r in read_jsonl(run / "rollouts.jsonl") if r["step"] == 2]
+    assert {r["rank"] for r in rb} == {0, 1, 2}
+    assert sorted((r["index"], r["output"]) for r in rb) == sorted((r["index"], r["output"]) for r in ra)
+    ma, mb = read_jsonl(runs["fsdp"] / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in mb] == [1, 2] and mb[0] == ma[0]
+    # rollout-time statistics of iteration 2 (same weights, same samples; sums in another order) and
+    # what the optimizer and schedule carried over
+    for k in ("reward/mean", "policy/kl", "value/mean", "policy/response_length"):
+        assert mb[1][k] == pytest.approx(ma[1][k], rel=1e-4, abs=1e-6), k
+    assert mb[1]["policy/optimizer_steps"] == ma[1]["policy/optimizer_steps"] == 8
+    assert mb[1]["policy/lr"] == ma[1]["policy/lr"]
+    # 3 shards now: a third of the bytes per rank (rank 0 holds the rounded-up share)
+    ckpt = run / "checkpoints" / "step_2"
+    assert len(list((ckpt / "sharded").iterdir())) == 3
+    assert 0.3 < mb[1]["memory/params_bytes"] / ma[1]["memory/params_bytes"] < 0.72
+    assert 0.3 < mb[1]["memory/optimizer_bytes"] / ma[1]["memory/optimizer_bytes"] < 0.72
+    # the Adam step counters carried over (4 steps per iteration)
+    steps = [v for name in (ckpt / "sharded").iterdir() for k, v in load_file(name).items() if k.endswith(".step")]
+    assert steps and all(float(v) == 8 for v in steps)
 
 
 def test_fsdp_seq2seq_t5_guard_and_final(tmp_path):
