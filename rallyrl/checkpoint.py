@@ -11,6 +11,18 @@ A checkpoint is a folder ``run_dir/checkpoints/step_<N>/``:
     rng_rank<R>.json          rank R's python and numpy RNG states
     manifest.json             size and sha256 of every file above; written last
 
+With ``model.sharding: fsdp`` the weights and optimizer tensors are written by every rank, each its own
+shards, with ``torch.distributed.checkpoint`` (DCP), instead of ``policy.safetensors`` and
+``optimizer.safetensors``:
+
+    sharded/shard-<R+1>-model-00001-of-00001.safetensors   rank R's shards of the policy + value head
+                              weights and of the optimizer tensors, their offsets in the header
+                              (torch's HuggingFaceStorageWriter: safetensors, nothing pickled)
+    optimizer.json            the optimizer's param groups (numbers; tensors are in sharded/)
+
+DCP reads each rank's slices from whichever files hold them, so it does not depend on which rank wrote
+what. The manifest covers these files as it covers the others.
+
 Why it is built this way:
 - **Atomic**: everything is written into ``.tmp_step_<N>``, flushed and fsynced, and only then renamed to
   ``step_<N>``. A crash mid-save leaves a ``.tmp_*`` folder that is never read, never a half-written
@@ -42,11 +54,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from . import dist
+from . import dist, sharding
 from .errors import CheckpointError
 from .seeding import get_rng_state, set_rng_state
 
 FORMAT_VERSION = 1
+SHARDED_DIR = "sharded"  # model.sharding: fsdp: the torch.distributed.checkpoint files, one per rank
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -186,13 +199,27 @@ def save_checkpoint(
             shutil.rmtree(tmp)  # left over from a crash during an earlier save
         tmp.mkdir()
 
+    sharded = dist.is_sharded()
+    param_groups: list[Any] = []
+
+    def save_shards() -> None:  # every rank: its shards of the weights and optimizer state
+        param_groups[:] = sharding.save_sharded(str(tmp / SHARDED_DIR), policy, optimizer)
+        for f in (tmp / SHARDED_DIR).iterdir():
+            if f.name.startswith(f"shard-{dist.rank() + 1:05d}-"):
+                _fsync_file(f)
+
     def finish() -> None:
-        save_model(policy, str(tmp / "policy.safetensors"))
-        _fsync_file(tmp / "policy.safetensors")
-        _save_split(tmp / "optimizer", optimizer.state_dict())
+        if sharded:
+            _fsync_dir(tmp / SHARDED_DIR)
+            _save_split(tmp / "optimizer", {"param_groups": param_groups})
+        else:
+            save_model(policy, str(tmp / "policy.safetensors"))
+            _fsync_file(tmp / "policy.safetensors")
+            _save_split(tmp / "optimizer", optimizer.state_dict())
         _write_json(tmp / "trainer_state.json", {**trainer_state, "world_size": dist.world_size(),
+                                                 "sharding": "fsdp" if sharded else "ddp",
                                                  "format": FORMAT_VERSION})
-        files = sorted(p.name for p in tmp.iterdir())
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         manifest = {"format": FORMAT_VERSION, "step": step,
                     "files": {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files}}
         _write_json(tmp / "manifest.json", manifest)
@@ -207,6 +234,8 @@ def save_checkpoint(
     dist.agree(start, CheckpointError, main_only=True, what=what)
     dist.agree(lambda: _save_split(tmp / f"rng_rank{dist.rank()}", rank_rng_state(shuffle_gen)), CheckpointError,
                what=what)
+    if sharded:
+        dist.agree(save_shards, CheckpointError, what=what)
     dist.agree(finish, CheckpointError, main_only=True, what=what)
     return final
 
@@ -290,8 +319,21 @@ def load_checkpoint(
     caller re-derives them (``trainer._resume``; the run is then not bit-identical to an uninterrupted
     one, and says so)."""
     state = json.loads((path / "trainer_state.json").read_text())
-    missing, unexpected = load_model(policy, str(path / "policy.safetensors"), strict=True)
-    optimizer.load_state_dict(_load_split(path / "optimizer"))
+    saved_sharding, sharded = state.get("sharding", "ddp"), dist.is_sharded()
+    if saved_sharding != ("fsdp" if sharded else "ddp"):
+        raise CheckpointError(
+            f"checkpoint {path} holds a {saved_sharding} checkpoint; this run uses "
+            f"{'fsdp' if sharded else 'ddp'} (model.sharding; fsdp on one process runs as ddp): resume it with "
+            f"the model.sharding it was written with")
+    if sharded:
+        # DCP reshards: each rank reads its slices from whichever files hold them, so the checkpoint
+        # may come from another number of processes.
+        groups = _load_split(path / "optimizer")["param_groups"]
+        dist.agree(lambda: sharding.load_sharded(str(path / SHARDED_DIR), policy, optimizer, groups),
+                   CheckpointError, what=f"loading checkpoint {path}")
+    else:
+        missing, unexpected = load_model(policy, str(path / "policy.safetensors"), strict=True)
+        optimizer.load_state_dict(_load_split(path / "optimizer"))
     if state["world_size"] == dist.world_size():
         restore_rank_rng_state(_load_split(path / f"rng_rank{dist.rank()}"), shuffle_gen)
     return state

@@ -98,6 +98,14 @@ class ModelConfig:
     num_layers_unfrozen: int = _f(
         2, "`model.reference: shared`: how many top transformer blocks train (1 .. the model's layer count)."
     )
+    sharding: Literal["ddp", "fsdp"] = _f(
+        "ddp",
+        "How the policy, value head, reference and optimizer state are held across processes: `ddp` (every "
+        "rank holds all of them; gradients are all-reduced) or `fsdp` (FSDP2: each transformer block and the "
+        "rest are sharded over the ranks, each holding ~1/N; weights are gathered block by block in training "
+        "and once per call for generation and rollout scoring; checkpoints are sharded with "
+        "torch.distributed.checkpoint). `fsdp` needs `model.reference: copy`. See docs/scaling.md.",
+    )
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "`model.reference: lora` settings (below)."})
 
 
@@ -543,6 +551,11 @@ def validate(cfg: Config) -> None:
     if cfg.model.lora.dropout != 0:
         raise ConfigError(f"model.lora.dropout must be 0, got {cfg.model.lora.dropout}: the policy runs with dropout "
                           f"off so the rollout's log-probs and the first PPO step's agree (ratio 1)")
+    if cfg.model.sharding == "fsdp" and cfg.model.reference != "copy":
+        raise ConfigError(
+            f"model.sharding=fsdp needs model.reference=copy, got model.reference={cfg.model.reference!r}: the "
+            f"{cfg.model.reference} reference runs the policy's own (sharded) LM outside the policy's forward, "
+            f"which FSDP does not gather. Use model.reference=copy with fsdp, or model.sharding=ddp")
     tm = cfg.model.lora.target_modules
     if (isinstance(tm, str) and tm != "all-linear") or (isinstance(tm, list) and (not tm or "" in tm)):
         raise ConfigError(f"model.lora.target_modules must be 'all-linear' or a non-empty list of module names, "
@@ -683,6 +696,8 @@ def make_batch_plan(cfg: Config, world_size: int) -> BatchPlan:
             f"({smallest} = rollout.num_rollouts {g} split over {world_size} processes); every rank must "
             f"take the same number of optimizer steps"
         )
+    if cfg.model.sharding == "fsdp" and world_size > 1:
+        _check_equal_micro_batches(cfg, counts)
     rounds = -(-max(counts) // cfg.rollout.chunk_size)
     return BatchPlan(
         world_size=world_size,
@@ -693,6 +708,23 @@ def make_batch_plan(cfg: Config, world_size: int) -> BatchPlan:
         num_minibatches=cfg.ppo.num_minibatches,
         epochs=cfg.ppo.epochs,
     )
+
+
+def _check_equal_micro_batches(cfg: Config, counts: list[int]) -> None:
+    """Under FSDP every forward and backward of the update is a collective (weights are gathered block
+    by block), so every rank must run the same number of micro-batches in each optimizer step. A rank's
+    minibatches are its samples split as evenly as possible (``torch.tensor_split``), each cut into
+    micro-batches of ``ppo.micro_batch_size``."""
+    M, mbs = cfg.ppo.num_minibatches, cfg.ppo.micro_batch_size
+    per_rank = {tuple(-(-s // (mbs or s)) for s in split_evenly(n, M)) for n in counts}
+    if len(per_rank) > 1:
+        raise ConfigError(
+            f"model.sharding=fsdp: with rollout.num_rollouts={cfg.rollout.num_rollouts} over {len(counts)} "
+            f"processes ({'/'.join(map(str, counts))} samples per rank), ppo.num_minibatches={M} and "
+            f"ppo.micro_batch_size={mbs}, ranks would run different numbers of micro-batches per optimizer "
+            f"step ({' vs '.join(str(list(p)) for p in sorted(per_rank))}); under FSDP every forward is a "
+            f"collective. Make rollout.num_rollouts a multiple of the process count, or raise or unset "
+            f"ppo.micro_batch_size")
 
 
 # --------------------------------------------------------------------------------------------------

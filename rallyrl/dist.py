@@ -10,6 +10,7 @@ NCCL they need the current CUDA device to be set, which ``accelerate`` does when
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import os
@@ -106,18 +107,20 @@ def is_main() -> bool:
 
 
 _accelerator: Any = None
+_sharding = "ddp"  # model.sharding, set once by init_accelerator
 
 
-def init_accelerator(timeout_s: float) -> torch.device:
+def init_accelerator(timeout_s: float, sharding: str = "ddp") -> torch.device:
     """Create the ``accelerate.Accelerator`` (and so the process group, when launched with several ranks);
     returns this rank's device.
 
     Without a GPU ``Accelerator()`` would silently report world size 1 under torchrun, so ``cpu=True`` is
     passed there: the ranks then form a gloo group. With GPUs the backend is NCCL. ``timeout_s`` bounds
-    how long a rank waits in a collective for a dead or stuck peer.
+    how long a rank waits in a collective for a dead or stuck peer. ``sharding`` (``model.sharding``)
+    chooses how ``shard`` / ``prepare`` and the gradient helpers below treat the trained model.
     """
-    global _accelerator, _timeout_s
-    _timeout_s = timeout_s
+    global _accelerator, _timeout_s, _sharding
+    _timeout_s, _sharding = timeout_s, sharding
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -126,28 +129,91 @@ def init_accelerator(timeout_s: float) -> torch.device:
     return _accelerator.device
 
 
-# --- data parallelism (DDP through accelerate): the gradient all-reduce happens in backward() -------
+def is_sharded() -> bool:
+    """True when models are FSDP-sharded: ``model.sharding: fsdp`` with several ranks (one process has
+    nothing to shard over and runs exactly as ``ddp``)."""
+    return _sharding == "fsdp" and is_distributed()
+
+
+# --- the trained model: DDP (through accelerate) or FSDP2 (rallyrl.sharding) ----------------------
+# Under DDP the gradient all-reduce happens in backward(); under FSDP2 every forward and backward
+# gathers each block's weights and backward reduce-scatters its gradients.
+
+
+def shard(model: torch.nn.Module, forward_methods: Sequence[str] = ()) -> torch.nn.Module:
+    """FSDP: shard ``model`` in place (each transformer block, then the root; ``forward_methods`` run the
+    model like ``forward``, e.g. ``generate``). DDP: unchanged. Called for the policy BEFORE its
+    optimizer is created (the optimizer must hold the shards) and for the frozen reference."""
+    if not is_sharded():
+        return model
+    from . import sharding
+
+    return sharding.shard(model, forward_methods)
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, Any]:
-    """Wrap for data parallelism (DDP when there are several ranks; unchanged at world size 1)."""
+    """Wrap for data parallelism (DDP when there are several ranks; unchanged at world size 1 and under
+    FSDP, where ``shard`` already did the work)."""
+    if is_sharded():
+        return model, optimizer
     return _accelerator.prepare(model, optimizer)
 
 
+def gathered(*models: torch.nn.Module) -> Any:
+    """Context in which the models' weights are whole on every rank (FSDP: one all-gather per unit on
+    entry, resharded on exit; DDP: nothing to do). Stages whose forward count may differ between
+    ranks (generation, rollout scoring, eval) run inside it, so they contain no collective."""
+    if not is_sharded():
+        return contextlib.nullcontext()
+    from . import sharding
+
+    return sharding.gathered(*models)
+
+
 def backward(loss: torch.Tensor) -> None:
-    """Backward pass; under DDP it all-reduces (averages) the gradients unless inside ``no_sync``."""
-    _accelerator.backward(loss)
+    """Backward pass; under DDP it all-reduces (averages) the gradients unless inside ``no_sync``;
+    under FSDP it reduce-scatters (averages) them into each rank's shard."""
+    if is_sharded():
+        loss.backward()
+    else:
+        _accelerator.backward(loss)
 
 
 def no_sync(model: torch.nn.Module) -> Any:
     """Context in which backward() only accumulates gradients locally (gradient accumulation)."""
+    if is_sharded():
+        from . import sharding
+
+        return sharding.no_sync(model)
     return _accelerator.no_sync(model)
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the (already synchronised) gradients; returns the norm before clipping (a 0-dim tensor:
-    reading it is left to the caller's one host sync per step)."""
+    reading it is left to the caller's one host sync per step). Under FSDP the norm is of the whole
+    gradient (the shards' partial norms are all-reduced), the same number DDP reports."""
+    if is_sharded():
+        from . import sharding
+
+        return sharding.clip_grad_norm(model, max_norm)
     return _accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def local_nbytes(tensors: Any) -> int:
+    """Bytes of ``tensors`` held by this rank (FSDP: the local shards), shared storage counted once."""
+    from . import sharding
+
+    return sharding.local_nbytes(tensors)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Collective under FSDP: the whole model state dict on rank 0 (CPU, gathered unit by unit), an
+    empty dict elsewhere. None when the model is not sharded (every rank already holds all of it)."""
+    if not is_sharded():
+        return None
+    from . import sharding
+
+    return sharding.full_state_dict(model)
 
 
 def _device() -> torch.device:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import dist, ops
 from .config import BatchPlan, GenerationConfig, split_evenly
 from .models import Policy, Reference
 from .reward.step import Reward
@@ -193,18 +193,23 @@ def truncate_at_stop(ids: list[int], tokenizer: Any, stop_sequences: list[str]) 
 @torch.no_grad()
 def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: GenerationConfig, do_sample: bool,
              device: torch.device) -> Generated:
-    """Sample responses for one chunk of prompts through ``policy.generate`` (KV cache on)."""
-    if not query_ids:  # a rank with no sample in this chunk round still enters the reward step
-        empty = torch.zeros(0, 0, dtype=torch.long)
-        return Generated(empty, empty.bool(), empty, empty.bool(), [], [])
-    q, qm = pad(query_ids, tokenizer.pad_token_id, left=True)  # (B, Q)
-    sampling: dict[str, Any] = dict(max_new_tokens=gen.max_new_tokens, do_sample=do_sample,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    if do_sample:
-        sampling.update(temperature=gen.temperature, top_k=gen.top_k or None, top_p=gen.top_p)
-    else:
-        sampling.update(temperature=None, top_k=None, top_p=None)
-    responses = policy.generate(q.to(device), qm.to(device), **sampling).tolist()  # (B, T') as lists
+    """Sample responses for one chunk of prompts through ``policy.generate`` (KV cache on).
+
+    Every rank calls it in every chunk round, with or without prompts: under FSDP the policy's weights
+    are gathered once for the whole call (a collective), after which ranks decode independently for as
+    many steps as their own samples need."""
+    with dist.gathered(policy):
+        if not query_ids:  # a rank with no sample in this chunk round still enters the reward step
+            empty = torch.zeros(0, 0, dtype=torch.long)
+            return Generated(empty, empty.bool(), empty, empty.bool(), [], [])
+        q, qm = pad(query_ids, tokenizer.pad_token_id, left=True)  # (B, Q)
+        sampling: dict[str, Any] = dict(max_new_tokens=gen.max_new_tokens, do_sample=do_sample,
+                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        if do_sample:
+            sampling.update(temperature=gen.temperature, top_k=gen.top_k or None, top_p=gen.top_p)
+        else:
+            sampling.update(temperature=None, top_k=None, top_p=None)
+        responses = policy.generate(q.to(device), qm.to(device), **sampling).tolist()  # (B, T') as lists
     eos = tokenizer.eos_token_id
     kept: list[list[int]] = []
     for r in responses:
@@ -220,14 +225,22 @@ def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: Ge
 
 @torch.no_grad()
 def score_tokens(policy: Policy, reference: Reference, gen: Generated, temperature: float,
-                 device: torch.device) -> Scored:
-    """One forward of the policy (log-probs + values) and one of the reference (log-probs)."""
+                 device: torch.device) -> Scored | None:
+    """One forward of the policy (log-probs + values) and one of the reference (log-probs); None for an
+    empty chunk. Every rank calls it in every chunk round: under FSDP each model is gathered in turn
+    (one whole model at a time) around its forward, so a rank without samples still takes part."""
     q, qm = gen.query_ids.to(device), gen.query_mask.to(device)
     r, rm = gen.response_ids.to(device), gen.response_mask.to(device)
-    logits, values = policy(q, qm, r, rm)  # (B, T, V), (B, T)
-    # Temperature is part of the sampling policy, so log-probs (and the KL) are of the scaled logits,
-    # in the rollout pass and in training alike (as in TRL).
-    logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
-    ref_lp = reference.logprobs(q, qm, r, rm, temperature)  # (B, T)
+    with dist.gathered(policy):
+        if len(gen):
+            logits, values = policy(q, qm, r, rm)  # (B, T, V), (B, T)
+            # Temperature is part of the sampling policy, so log-probs (and the KL) are of the scaled
+            # logits, in the rollout pass and in training alike (as in TRL).
+            logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
+            del logits
+    with dist.gathered(reference):
+        ref_lp = reference.logprobs(q, qm, r, rm, temperature) if len(gen) else None  # (B, T)
+    if ref_lp is None:
+        return None
     return Scored(logprobs=(logprobs * rm).cpu(), ref_logprobs=(ref_lp * rm).cpu(),
                   values=(values.float() * rm).cpu())

@@ -1,6 +1,7 @@
 """What the loop carries from one iteration to the next, with the state dicts a checkpoint holds.
 
-``Learner``: the trained model (DDP-wrapped when there are several ranks), its optimizer and LR schedule,
+``Learner``: the trained model (DDP-wrapped when there are several ranks, or FSDP-sharded with
+``model.sharding: fsdp``), its optimizer and LR schedule,
 and the guarded optimizer step. ``TrainState``: iteration and step counters, the KL controller, running
 reward moments, the prompt sampler and the per-rank minibatch generator. Weights, optimizer tensors and
 RNG streams go to safetensors in ``rallyrl.checkpoint``; ``TrainState.state_dict`` is the JSON rest.
@@ -21,13 +22,15 @@ from .data import PromptSampler
 
 @dataclass
 class Learner:
-    model: torch.nn.Module  # the policy, DDP-wrapped when there are several ranks
+    model: torch.nn.Module  # the policy: DDP-wrapped when there are several ranks, or FSDP-sharded in place
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     max_grad_norm: float | None
 
     @staticmethod
     def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int) -> "Learner":
+        # FSDP: shard first, so the optimizer is built over (and its state sharded like) the shards.
+        policy = dist.shard(policy, forward_methods=("generate",))
         params = [p for p in policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay,
                                       fused=_fused_adamw_ok(params) or None)
@@ -59,6 +62,16 @@ class Learner:
         self.optimizer.step()
         self.scheduler.step()
         return norm_value
+
+    def memory(self, *frozen: torch.nn.Module) -> dict[str, float]:
+        """``memory/*`` metrics of this rank: bytes of the parameters it holds (the trained model and the
+        ``frozen`` ones, e.g. the reference; local shards under FSDP; tied or shared weights once) and
+        of the optimizer state. Deterministic (a resumed run logs what the uninterrupted one did), so
+        process-level measures such as peak RSS are not logged here (benchmarks measure them)."""
+        params = [p for m in (self.model, *frozen) for p in m.parameters()]
+        state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return {"memory/params_bytes": float(dist.local_nbytes(params)),
+                "memory/optimizer_bytes": float(dist.local_nbytes(state))}
 
     def load_state_dict(self, scheduler_state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **scheduler_state})

@@ -287,13 +287,16 @@ class RunDir:
 
     def save_final(self, policy: Any, tokenizer: Any) -> None:
         """``final/``: the policy via ``save_pretrained`` plus the tokenizer, loadable with plain
-        transformers. Written by the main rank; a failure there stops every rank with the cause."""
+        transformers. Written by the main rank; a failure there stops every rank with the cause. A
+        sharded policy is first assembled on the main rank (on CPU, one block at a time: one full copy)."""
+        full = dist.full_state_dict(policy)  # collective under FSDP; None when every rank holds it all
+
         def save() -> None:
             out = self.claim("final", is_dir=True)
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-            policy.save_pretrained(out)
+            policy.save_pretrained(out) if full is None else policy.save_pretrained(out, state_dict=full)
             tokenizer.save_pretrained(out)
 
         dist.agree(save, CheckpointError, main_only=True, what=f"saving {self.path / 'final'}")

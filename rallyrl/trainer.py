@@ -64,10 +64,11 @@ def collect_rollouts(models: LoadedModels, reward_step: RewardStep, prompts: Pro
         g = generate(models.policy, models.tokenizer, prompts.token_ids(mine), gen, do_sample, device)
         t_gen += time.perf_counter() - t0
         handles.append(reward_step.submit(Samples(texts, g.outputs, g.response_lists, metadata)))  # a collective
-        if mine:
-            t0 = time.perf_counter()
-            scored = score_tokens(models.policy, models.reference, g, gen.temperature, device)
-            t_fwd += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        # every rank calls it (under fsdp it gathers the weights: a collective); None for an empty chunk
+        scored = score_tokens(models.policy, models.reference, g, gen.temperature, device)
+        t_fwd += time.perf_counter() - t0
+        if scored is not None:
             first = shard.first_index + r * shard.chunk_size
             pending.append((r, g, scored, texts, metadata, list(range(first, first + len(mine)))))
     results = reward_step.collect(handles)  # a collective; a failure in any round raises here on every rank
@@ -209,7 +210,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
-    device = dist.init_accelerator(cfg.dist.timeout_s)
+    device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding)
     models, learner, state = _build(cfg, inp, device)
     resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
     reward_step = _reward_step(cfg, inp)  # starts nothing yet: see open() below
@@ -240,6 +241,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             # 6. statistics (one all-reduce), KL controller, logs, eval
             metrics = iteration_metrics(ro, seq_kl, returns, rstats, upd, [f.name for f in inp.reward_fns],
                                         state, plan) | times | {"policy/lr": learner.lr, "time/update": upd["time"]}
+            metrics |= learner.memory(models.reference)  # this rank's bytes (rank 0's are logged)
             _check_finite(metrics, upd, step, cfg.ppo, run_dir)
             state.kl_ctl.update(metrics["policy/kl"], plan.num_rollouts)
             if cfg.train.log_rollouts:
@@ -277,6 +279,7 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     models = _quiet(load_models, cfg.model, cfg.train.seed, inp.tokenizer)
     models.policy.to(device)
     models.reference.to(device)
+    models.reference = dist.shard(models.reference, forward_methods=("logprobs",))  # FSDP: sharded; DDP: as is
     seed_everything(cfg.train.seed, R)  # per-rank: generation sampling
     total_steps = cfg.train.iterations * inp.plan.optimizer_steps_per_iteration
     learner = Learner.create(models.policy, cfg.ppo, total_steps)

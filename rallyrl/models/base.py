@@ -32,8 +32,9 @@ class Policy(Protocol):
         """Sampled response token ids (B, T') for the queries (no query tokens; ends padded)."""
         ...
 
-    def save_pretrained(self, out: Path) -> None:
-        """Write the policy (without the value head) as a folder plain ``transformers`` can load."""
+    def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the policy (without the value head) as a folder plain ``transformers`` can load; from
+        ``state_dict`` (the policy's whole state dict) when given instead of from its parameters."""
         ...
 
 
@@ -75,3 +76,10 @@ def make_value_head(hidden: int, kind: str, std: float, seed: int, dtype: torch.
         last.weight.copy_((torch.randn(last.weight.shape, generator=g) * std).to(dtype))
         last.bias.zero_()
     return head
+
+
+def lm_save_kwargs(state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """``save_pretrained`` kwargs writing the ``lm.*`` part of a policy state dict (none: its own weights)."""
+    if state_dict is None:
+        return {}
+    return {"state_dict": {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}}

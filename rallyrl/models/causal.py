@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import frozen_copy, make_value_head
+from .base import frozen_copy, lm_save_kwargs, make_value_head
 
 
 class CausalPolicy(nn.Module):
@@ -46,16 +46,23 @@ class CausalPolicy(nn.Module):
         level = hf_log.level
         hf_log.setLevel(logging.ERROR)
         try:
-            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, **sampling)
+            # synced_gpus=False: ranks never decode in lock-step. transformers turns synced_gpus on for a
+            # model with FSDP-sharded blocks (a per-step all-reduce of "done" flags), which would hang
+            # when ranks call generate() different numbers of times; rallyrl gathers the weights for the
+            # whole call instead (dist.gathered), so decoding needs no collective at all.
+            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False,
+                                   **sampling)
         finally:
             hf_log.setLevel(level)
         return out[:, query.shape[1] :]  # (B, T'): a causal LM echoes the query first
 
-    def save_pretrained(self, out: Path) -> None:
+    def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """``state_dict``: this policy's whole state dict (``lm.*``, ``v_head.*``) when the module's own
+        parameters are shards (FSDP assembles it on the main rank); the LM part is what is written."""
         if self._save is not None:
             self._save(self.lm, Path(out))
         else:
-            self.lm.save_pretrained(out, safe_serialization=True)
+            self.lm.save_pretrained(out, safe_serialization=True, **lm_save_kwargs(state_dict))
 
 
 class CopyReference(nn.Module):

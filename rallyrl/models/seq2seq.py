@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import frozen_copy, make_value_head
+from .base import frozen_copy, lm_save_kwargs, make_value_head
 
 
 class Seq2SeqPolicy(nn.Module):
@@ -41,13 +41,14 @@ class Seq2SeqPolicy(nn.Module):
         level = hf_log.level
         hf_log.setLevel(logging.ERROR)
         try:
-            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, **sampling)
+            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False,
+                                   **sampling)  # synced_gpus=False: see CausalPolicy.generate
         finally:
             hf_log.setLevel(level)
         return out[:, 1:]  # (B, T'): generate returns decoder ids, starting with the decoder-start token
 
-    def save_pretrained(self, out: Path) -> None:
-        self.lm.save_pretrained(out, safe_serialization=True)
+    def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        self.lm.save_pretrained(out, safe_serialization=True, **lm_save_kwargs(state_dict))  # as CausalPolicy
 
 
 class Seq2SeqCopyReference(nn.Module):
