@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 from . import plot
 from .config import ConfigError, load_config
+from .errors import forget_interrupts, interrupt_received
 
 DEBUG_ENV = "RALLYRL_DEBUG"
 
@@ -39,14 +40,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"rallyrl: error: {message} (see '{self.prog} --help')\n")
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM, delivered like Ctrl-C so the trainer stops the same way; exit code 128 + signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,20 +159,21 @@ def _under_launcher() -> bool:
 
 @contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """A job scheduler or container stop sends SIGTERM: stop as on Ctrl-C (the trainer's interrupt path
-    runs), instead of dying on the spot."""
-    def raise_interrupted(signum: int, frame: Any) -> None:
-        raise Interrupted(signum)
-
+    """Ctrl-C (SIGINT) and a job scheduler's or container stop's SIGTERM stop the run the same way: the
+    trainer's interrupt path runs (it says where to resume) instead of the process dying on the spot.
+    The handler also records the signal, so one whose exception Python dropped still stops the loop
+    (``errors.raise_if_interrupted``)."""
     try:
-        previous = signal.signal(signal.SIGTERM, raise_interrupted)
+        previous = {s: signal.signal(s, interrupt_received) for s in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread (train() called from a thread): leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        forget_interrupts()
 
 
 TRAIN = SimpleNamespace(add_parser=_train_parser, main=_train_main)

@@ -10,9 +10,11 @@ This module imports nothing heavy (no torch): the CLI and ``import rallyrl`` use
 
 from __future__ import annotations
 
+import signal
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 
 @dataclass(frozen=True)
@@ -93,3 +95,35 @@ class NonFiniteError(StageError):
 
 class CollectiveTimeoutError(RuntimeError):
     """A rank waited longer than ``dist.timeout_s`` in a collective: a peer is stuck or dead."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM seen by the CLI's handler, delivered like Ctrl-C so the trainer stops the same
+    way; the exit code is 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_signals_received: list[int] = []  # by this process's CLI handler (``rallyrl train``), newest last
+
+
+def interrupt_received(signum: int, frame: Any = None) -> NoReturn:
+    """The CLI's SIGINT/SIGTERM handler: remember the signal, then raise where the main thread is."""
+    _signals_received.append(signum)
+    raise Interrupted(signum)
+
+
+def raise_if_interrupted() -> None:
+    """Raise again for a signal whose KeyboardInterrupt never reached the trainer. Python runs a signal
+    handler wherever the main thread is, a garbage-collection finalizer included, and an exception
+    raised there is printed as "Exception ignored" and dropped: the run would go on as if no Ctrl-C
+    had come. The training loop calls this once per iteration, so such a signal still stops the run
+    within one iteration."""
+    if _signals_received:
+        raise Interrupted(_signals_received[-1])
+
+
+def forget_interrupts() -> None:
+    _signals_received.clear()

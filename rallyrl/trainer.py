@@ -27,7 +27,7 @@ import torch
 from . import checkpoint as ckpt
 from . import dist, ops
 from .config import Config, GenerationConfig, PPOConfig, load_config
-from .errors import NonFiniteError
+from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
 from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
 from .metrics import iteration_metrics
@@ -229,6 +229,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             log.eval_before(run_eval(0))
         for step in range(state.iteration + 1, cfg.train.iterations + 1):
             t_iter = time.perf_counter()
+            raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
             # 1-2. rollouts + central reward step
             shard = Shard.of_plan(plan, dist.rank(), state.sampler.next(plan.num_rollouts))
             ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, shard, cfg.generation,

@@ -2,20 +2,15 @@
 half the per-rank parameter + optimizer bytes, sharded (DCP) checkpoints with exact resume after SIGKILL,
 and a final/ folder that plain transformers loads."""
 
-import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rallyrl.tracking import read_jsonl
-from tests.helpers.runs import ROOT, base_config, env, rallyrl_train, write_config
+from tests.helpers.runs import ROOT, base_config, kill_when_paused, rallyrl_train, write_config
 
 pytestmark = pytest.mark.dist
 
@@ -96,33 +91,10 @@ def test_fsdp_checkpoint_is_sharded_and_final_loads_with_transformers(runs, tiny
     assert saved.keys() == load_file(runs["ddp"] / "final" / "model.safetensors").keys()
 
 
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (the launcher's workers run in sessions of their own)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            todo += [int(c) for c in task.read_text().split()]
-    return out
-
-
 def test_fsdp_resume_after_sigkill_is_bit_identical(runs, tiny_model, tmp_path):
     cfg_b = write_config(tmp_path / "b.yaml", _cfg(tiny_model, tmp_path / "B", "fsdp"))
-    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(cfg_b), "--nproc", "2"]
     # 2 chunk rounds per iteration: reward call 4 is the 2nd round of iteration 2 (after checkpoint 1)
-    e = env(RALLYRL_TEST_PAUSE_AT="4", RALLYRL_TEST_COUNTER=str(tmp_path / "calls"))
-    victim = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while not (tmp_path / "calls.paused").exists():
-        assert victim.poll() is None and time.monotonic() < deadline, "run ended before the kill point"
-        time.sleep(0.2)
-    for pid in _descendants(victim.pid):  # every process of this run, by id
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert victim.wait(timeout=30) == -9
+    cmd, e = kill_when_paused(cfg_b, 2, tmp_path / "calls", pause_at=4)
     assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir() if not p.name.startswith(".")) == \
         ["step_1"]
 

@@ -1,7 +1,6 @@
 """Exact resume after SIGKILL of every process mid-iteration, and a dead worker ending the job."""
 
 import subprocess
-import sys
 import time
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from rallyrl.tracking import read_jsonl
-from tests.helpers.runs import ROOT, base_config, env, rallyrl_train, write_config
+from tests.helpers.runs import ROOT, base_config, kill_when_paused, rallyrl_train, write_config
 
 pytestmark = pytest.mark.dist
 
@@ -29,15 +28,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny_model, tmp_path):
     # the same run, with every process (CLI, launcher, both ranks) SIGKILLed in the middle of iteration
     # 3: 2 chunk rounds per iteration, so reward call 6 is the 2nd round of iteration 3
     cfg_b = write_config(tmp_path / "b.yaml", _cfg(tiny_model, tmp_path / "B"))
-    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(cfg_b), "--nproc", "2"]
-    e = env(RALLYRL_TEST_PAUSE_AT="6", RALLYRL_TEST_COUNTER=str(tmp_path / "calls"))
-    victim = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while not (tmp_path / "calls.paused").exists():
-        assert victim.poll() is None and time.monotonic() < deadline, "run ended before the kill point"
-        time.sleep(0.2)
-    subprocess.run(["pkill", "-KILL", "-f", str(cfg_b)], check=True)  # every process started for this run
-    assert victim.wait(timeout=30) == -9
+    cmd, e = kill_when_paused(cfg_b, 2, tmp_path / "calls", pause_at=6)
     ckpts = sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir())
     assert ckpts == ["step_1", "step_2"], ckpts  # step_3 was never completed
     assert [m["step"] for m in read_jsonl(tmp_path / "B" / "metrics.jsonl")] == [1, 2]

@@ -3,8 +3,6 @@ rank 0, PPO, checkpoints, a SIGKILL of every process mid-iteration + resume equa
 bit for bit, and final/ loadable with AutoModelForSeq2SeqLM."""
 
 import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from safetensors.torch import load_file
 
 from rallyrl.tracking import read_jsonl
 from tests.helpers.rewards import deterministic_score
-from tests.helpers.runs import ROOT, base_config, env, rallyrl_train, write_config
+from tests.helpers.runs import ROOT, base_config, kill_when_paused, rallyrl_train, write_config
 
 pytestmark = pytest.mark.dist
 
@@ -52,15 +50,7 @@ def test_seq2seq_two_processes_sigkill_resume_is_bit_identical(tiny_t5, tmp_path
     # the same run, every process (CLI, launcher, both ranks) SIGKILLed in reward call 4: the 2nd chunk
     # round of iteration 2, after the step_1 checkpoint
     cfg_b = write_config(tmp_path / "b.yaml", _cfg(tiny_t5, tmp_path / "B"))
-    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(cfg_b), "--nproc", "2"]
-    e = env(RALLYRL_TEST_PAUSE_AT="4", RALLYRL_TEST_COUNTER=str(tmp_path / "count"))
-    victim = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while not (tmp_path / "count.paused").exists():
-        assert victim.poll() is None and time.monotonic() < deadline, "run ended before the kill point"
-        time.sleep(0.2)
-    subprocess.run(["pkill", "-KILL", "-f", str(cfg_b)], check=True)  # every process started for this run
-    assert victim.wait(timeout=30) == -9
+    cmd, e = kill_when_paused(cfg_b, 2, tmp_path / "count", pause_at=4)
     assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir()) == ["step_1"]
     assert [m["step"] for m in read_jsonl(tmp_path / "B" / "metrics.jsonl")] == [1]
 

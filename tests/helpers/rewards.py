@@ -232,3 +232,20 @@ def hashed_slow(samples, prompts, outputs, **kwargs):
     model, for kill-and-restart tests and the overlap benchmark."""
     time.sleep(float(os.environ.get("RALLYRL_TEST_REWARD_SLEEP", "0.3")))
     return hashed(samples, prompts, outputs, **kwargs)
+
+
+_swallowed_ctrl_c = False
+
+
+def swallows_ctrl_c(samples, prompts, outputs, **kwargs):
+    """`hashed`, but its first call sends this process SIGINT and swallows the KeyboardInterrupt, as a
+    library with a bare ``except:`` (or a signal landing in a garbage-collection finalizer) would."""
+    global _swallowed_ctrl_c
+    if not _swallowed_ctrl_c:
+        _swallowed_ctrl_c = True
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)  # the handler runs (and raises) here
+        except KeyboardInterrupt:
+            pass
+    return hashed(samples, prompts, outputs, **kwargs)

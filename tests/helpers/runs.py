@@ -45,3 +45,21 @@ def rallyrl_train(config: Path, nproc: int, *extra_args: str, timeout: float = 2
     """`rallyrl train CONFIG --nproc N` as a user runs it; returns the CompletedProcess."""
     cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(config), "--nproc", str(nproc), *extra_args]
     return subprocess.run(cmd, cwd=ROOT, env=env(**env_extra), capture_output=True, text=True, timeout=timeout)
+
+
+def kill_when_paused(config: Path, nproc: int, counter: Path, pause_at: int, timeout: float = 240):
+    """Start ``rallyrl train CONFIG --nproc N`` whose reward (``tests.helpers.rewards``, through
+    RALLYRL_TEST_PAUSE_AT / RALLYRL_TEST_COUNTER) pauses in call ``pause_at``; once it pauses, SIGKILL
+    every process of the run (CLI, launcher, ranks). Returns the command and environment that resume it."""
+    import time
+
+    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(config), "--nproc", str(nproc)]
+    e = env(RALLYRL_TEST_PAUSE_AT=str(pause_at), RALLYRL_TEST_COUNTER=str(counter))
+    victim = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    while not Path(f"{counter}.paused").exists():
+        assert victim.poll() is None and time.monotonic() < deadline, "run ended before the kill point"
+        time.sleep(0.2)
+    subprocess.run(["pkill", "-KILL", "-f", str(config)], check=True)  # every process started for this run
+    assert victim.wait(timeout=30) == -9
+    return cmd, e

@@ -74,6 +74,20 @@ def test_resume_auto_is_one_command_for_start_and_restart(tiny_model, tmp_path):
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_ctrl_c_whose_exception_was_swallowed_still_stops_the_run(tiny_model, tmp_path):
+    """The reward swallows the KeyboardInterrupt of a real SIGINT: the signal was still seen, so the
+    run stops at the next iteration, with the same line and exit code as a plain Ctrl-C."""
+    cfg = base_config(tiny_model, tmp_path / "run", train={"iterations": 50},
+                      reward={"fn": "tests.helpers.rewards:swallows_ctrl_c"})
+    path = write_config(tmp_path / "c.yaml", cfg)
+    proc = subprocess.run([sys.executable, "-m", "rallyrl.cli", "train", str(path)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert [x for x in proc.stderr.splitlines() if "interrupted at iteration 2;" in x], proc.stderr[-2000:]
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) <= 2  # the step-0 eval row and iteration 1
+
+
 def test_ctrl_c_says_where_to_resume(tiny_model, tmp_path):
     cfg = base_config(tiny_model, tmp_path / "run", checkpoint={"interval": 1}, train={"iterations": 50},
                       reward={"fn": "tests.helpers.rewards:slow_hashed"})
