@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     js.write_text(json.dumps(report, indent=2) + "\n")
     md.write_text(results_md(report, os.path.relpath(js, md.parent)))
     print(table(report))
-    print(f"[bench] {meta['wall_s'] / 60:.1f} min; wrote {js.relative_to(ROOT)} and {md.relative_to(ROOT)}")
+    print(f"[bench] {meta['wall_s'] / 60:.1f} min; wrote {os.path.relpath(js, ROOT)} and {os.path.relpath(md, ROOT)}")
     failed = [k for k in ("ppo_vs_trl", "reward_phase") if k in report and (
         "error" in report[k] or any(isinstance(v, dict) and "error" in v for v in report[k].values()))]
     return 1 if failed else 0

@@ -188,7 +188,17 @@ def direct_worker(run_dir: str, rm: str) -> dict[str, Any]:
     return {"steps": order, "samples_per_call": [len(by_step[s]) for s in order], "call_s": times}
 
 
-def run_direct(run_dir: str, rm: Path, out_dir: Path) -> dict[str, Any]:
+def run_direct(run_dir: str, rm: Path, out_dir: Path, in_process: bool = False) -> dict[str, Any]:
+    """(b) in a fresh process; ``in_process`` (QUICK) calls ``direct_worker`` in this one instead, which
+    saves a Python + torch + transformers start-up and times the same calls (one thread, the model
+    loaded by the warm-up call), but reports no process wall/CPU time or peak RSS."""
+    if in_process:
+        print("[bench] reward_phase direct: in this process (QUICK), one call per iteration", flush=True)
+        t0 = time.perf_counter()
+        got = direct_worker(run_dir, str(rm))
+        res: dict[str, Any] = {"in_process": True, "wall_s": time.perf_counter() - t0}
+        res.update(got, call_s_steady=spread(steady(got["call_s"], WARMUP)))
+        return res
     result = out_dir / "direct.result.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--direct-worker", run_dir, "--rm", str(rm),
            "--result", str(result)]
@@ -204,6 +214,8 @@ def server_available() -> bool:
 
 
 SERVER_ROUNDS = 4  # (d): chunk rounds per iteration, so overlap has later rounds to hide a call behind
+# (d): interleaved off/on pairs (full: two pairs halve the noise; QUICK: one pair exercises both rows)
+SERVER_PAIRS = {"full": 2, "quick": 1}
 
 
 class RewardServer:
@@ -252,15 +264,16 @@ class RewardServer:
         self._log.close()
 
 
-def run_server_rows(rm: Path, out_dir: Path, cfg: Any) -> dict[str, Any]:
-    """(d): the reward served by ``rallyrl serve-reward``, 2 processes, without and with overlap."""
+def run_server_rows(rm: Path, out_dir: Path, cfg: Any, pairs: int = SERVER_PAIRS["full"]) -> dict[str, Any]:
+    """(d): the reward served by ``rallyrl serve-reward``, 2 processes, without and with overlap,
+    ``pairs`` interleaved off/on pairs."""
     server = RewardServer(rm, out_dir / "server.log")
-    rows: dict[str, Any] = {"url": server.url, "rounds_per_iteration": SERVER_ROUNDS}
+    rows: dict[str, Any] = {"url": server.url, "rounds_per_iteration": SERVER_ROUNDS, "pairs": pairs}
     try:
         chunk = GLOBAL_ROLLOUTS // (2 * SERVER_ROUNDS)
         # interleaved: off, on, off, on (one run each is a few iterations; two pairs halve the noise)
         runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-        for rep in range(2):
+        for rep in range(pairs):
             for overlap in (False, True):
                 name = f"server_overlap_{str(overlap).lower()}_{rep}"
                 try:
@@ -302,7 +315,7 @@ def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
                      "torch_threads_per_process": 1},
     }
     a = run_rallyrl(cfg("main_w2", 2), 2, out_dir, "main_w2")
-    b = run_direct(a["run_dir"], rm, out_dir)
+    b = run_direct(a["run_dir"], rm, out_dir, in_process=quick)
     c = run_rallyrl(cfg("local_w2", 2, placement="local"), 2, out_dir, "local_w2")
     a_steady = [float(m["time/reward"]) + float(m["time/reward_gather"])
                 for m in steady(read_metrics(a["run_dir"]), WARMUP)]
@@ -319,7 +332,7 @@ def main_run(quick: bool, out_dir: Path) -> dict[str, Any]:
                          "reward_model_safetensors_mib": rm_mib}
     if server_available():
         try:
-            report["server"] = run_server_rows(rm, out_dir, cfg)
+            report["server"] = run_server_rows(rm, out_dir, cfg, SERVER_PAIRS["quick" if quick else "full"])
         except BenchError as e:
             report["server"] = {"error": str(e)[-1500:]}
     else:

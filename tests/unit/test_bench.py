@@ -275,3 +275,36 @@ def test_table_shows_the_reward_server_rows_and_the_overlap_ratio():
     del r["reward_phase"]["server"]["ratio_overlap_to_sync"]
     t = bench.table(r)
     assert "overlap on (s, median, min–max) | error: boom |" in t and "(overlap/sync)" not in t
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_server_rows_run_the_asked_interleaved_pairs_and_pair_them_up(monkeypatch, tmp_path, pairs):
+    """(d) runs off, on, off, on, ... for `pairs` pairs (QUICK: one), all against the one server, and the
+    overlap ratio is the median of each pair's on / off."""
+
+    class FakeServer:
+        url = "http://127.0.0.1:1"
+        closed = False
+
+        def __init__(self, rm, log):
+            pass
+
+        def close(self):
+            FakeServer.closed = True
+
+    names, it = [], {False: 2.0, True: 1.5}
+
+    def fake_run(cfg, world, out_dir, name):
+        names.append(name)
+        assert world == 2 and cfg["reward"]["url"] == FakeServer.url
+        s = {"min": 1.0, "median": it[cfg["reward"]["overlap"]], "max": 3.0, "n": 1}
+        return {"iteration_s": s, "reward_step_s": s, "reward_wait_s": None}
+
+    monkeypatch.setattr(reward_phase, "RewardServer", FakeServer)
+    monkeypatch.setattr(reward_phase, "run_rallyrl", fake_run)
+    cfg = lambda name, world, **kw: reward_phase.config(tmp_path / "p", tmp_path / "rm", tmp_path / name, world, 2, **kw)  # noqa: E731
+    rows = reward_phase.run_server_rows(tmp_path / "rm", tmp_path, cfg, pairs)
+    assert names == [f"server_overlap_{o}_{k}" for k in range(pairs) for o in ("false", "true")]
+    assert rows["pairs"] == pairs and len(rows["server_overlap_true"]["repeats"]) == pairs
+    assert rows["ratio_overlap_to_sync"] == 0.75 and FakeServer.closed
+    assert reward_phase.SERVER_PAIRS["quick"] == 1 and reward_phase.SERVER_PAIRS["full"] == 2
