@@ -3,14 +3,13 @@ half the per-rank parameter + optimizer bytes, sharded (DCP) checkpoints with ex
 and a final/ folder that plain transformers loads."""
 
 import shutil
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rallyrl.tracking import read_jsonl
-from tests.helpers.runs import ROOT, base_config, kill_when_paused, rallyrl_train, write_config
+from tests.helpers.runs import base_config, kill_when_paused, rallyrl_train, resume_latest, write_config
 
 pytestmark = pytest.mark.dist
 
@@ -98,10 +97,7 @@ def test_fsdp_resume_after_sigkill_is_bit_identical(runs, tiny_model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir() if not p.name.startswith(".")) == \
         ["step_1"]
 
-    resumed = subprocess.run(cmd + ["--set", "train.resume=latest"], cwd=ROOT, env=e, capture_output=True,
-                             text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
+    resume_latest(cmd, e)
 
     a = load_file(runs["fsdp"] / "final" / "model.safetensors")
     b = load_file(tmp_path / "B" / "final" / "model.safetensors")

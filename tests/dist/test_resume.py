@@ -1,6 +1,5 @@
 """Exact resume after SIGKILL of every process mid-iteration, and a dead worker ending the job."""
 
-import subprocess
 import time
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rallyrl.tracking import read_jsonl
-from tests.helpers.runs import ROOT, base_config, kill_when_paused, rallyrl_train, write_config
+from tests.helpers.runs import base_config, kill_when_paused, rallyrl_train, resume_latest, write_config
 
 pytestmark = pytest.mark.dist
 
@@ -33,10 +32,7 @@ def test_resume_after_sigkill_is_bit_identical(tiny_model, tmp_path):
     assert ckpts == ["step_1", "step_2"], ckpts  # step_3 was never completed
     assert [m["step"] for m in read_jsonl(tmp_path / "B" / "metrics.jsonl")] == [1, 2]
 
-    resumed = subprocess.run(cmd + ["--set", "train.resume=latest"], cwd=ROOT, env=e, capture_output=True,
-                             text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
+    resume_latest(cmd, e)
 
     a = load_file(tmp_path / "A" / "final" / "model.safetensors")
     b = load_file(tmp_path / "B" / "final" / "model.safetensors")

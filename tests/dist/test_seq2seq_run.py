@@ -2,7 +2,6 @@
 rank 0, PPO, checkpoints, a SIGKILL of every process mid-iteration + resume equal to an uninterrupted run
 bit for bit, and final/ loadable with AutoModelForSeq2SeqLM."""
 
-import subprocess
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from safetensors.torch import load_file
 
 from rallyrl.tracking import read_jsonl
 from tests.helpers.rewards import deterministic_score
-from tests.helpers.runs import ROOT, base_config, kill_when_paused, rallyrl_train, write_config
+from tests.helpers.runs import base_config, kill_when_paused, rallyrl_train, resume_latest, write_config
 
 pytestmark = pytest.mark.dist
 
@@ -54,10 +53,7 @@ def test_seq2seq_two_processes_sigkill_resume_is_bit_identical(tiny_t5, tmp_path
     assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir()) == ["step_1"]
     assert [m["step"] for m in read_jsonl(tmp_path / "B" / "metrics.jsonl")] == [1]
 
-    resumed = subprocess.run(cmd + ["--set", "train.resume=latest"], cwd=ROOT, env=e, capture_output=True,
-                             text=True, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
+    resume_latest(cmd, e)
 
     a = load_file(tmp_path / "A" / "final" / "model.safetensors")
     b = load_file(tmp_path / "B" / "final" / "model.safetensors")

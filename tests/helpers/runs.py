@@ -63,3 +63,12 @@ def kill_when_paused(config: Path, nproc: int, counter: Path, pause_at: int, tim
     subprocess.run(["pkill", "-KILL", "-f", str(config)], check=True)  # every process started for this run
     assert victim.wait(timeout=30) == -9
     return cmd, e
+
+
+def resume_latest(cmd: list[str], e: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Resume the run that ``kill_when_paused`` killed, from its newest checkpoint; it must succeed."""
+    resumed = subprocess.run(cmd + ["--set", "train.resume=latest"], cwd=ROOT, env=e, capture_output=True,
+                             text=True, timeout=timeout)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    return resumed
