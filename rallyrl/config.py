@@ -104,7 +104,7 @@ class ModelConfig:
         "rank holds all of them; gradients are all-reduced) or `fsdp` (FSDP2: each transformer block and the "
         "rest are sharded over the ranks, each holding ~1/N; weights are gathered block by block in training "
         "and once per call for generation and rollout scoring; checkpoints are sharded with "
-        "torch.distributed.checkpoint). `fsdp` needs `model.reference: copy`. See docs/scaling.md.",
+        "PyTorch's distributed checkpointing, DCP). `fsdp` needs `model.reference: copy`. See docs/scaling.md.",
     )
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "`model.reference: lora` settings (below)."})
 
@@ -802,6 +802,16 @@ def _default_repr(f: dataclasses.Field) -> str:
     return ""
 
 
+def _sub_table(title: str, cls: type, prefix: str) -> list[str]:
+    """The markdown table of a nested config dataclass (``model.lora``, each ``reward.fns`` entry)."""
+    lines = [title, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = _type_name(hints[f.name]).replace("|", "\\|")
+        lines.append(f"| `{prefix}{f.name}` | {tp} | `{_default_repr(f)}` | {f.metadata.get('doc', '')} |")
+    return lines + [""]
+
+
 def config_markdown() -> str:
     lines = [
         "# Configuration reference",
@@ -823,19 +833,9 @@ def config_markdown() -> str:
             )
         lines.append("")
         if cls is ModelConfig:
-            lines += ["`model.lora`:", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-            lh = typing.get_type_hints(LoraConfig)
-            for f in dataclasses.fields(LoraConfig):
-                tp = _type_name(lh[f.name]).replace("|", "\\|")
-                lines.append(f"| `model.lora.{f.name}` | {tp} | `{_default_repr(f)}` | {f.metadata.get('doc', '')} |")
-            lines.append("")
+            lines += _sub_table("`model.lora`:", LoraConfig, "model.lora.")
         if cls is RewardConfig:
-            lines += ["Each entry of `reward.fns`:", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-            sh = typing.get_type_hints(RewardFnSpec)
-            for f in dataclasses.fields(RewardFnSpec):
-                tp = _type_name(sh[f.name]).replace("|", "\\|")
-                lines.append(f"| `{f.name}` | {tp} | `{_default_repr(f)}` | {f.metadata.get('doc', '')} |")
-            lines.append("")
+            lines += _sub_table("Each entry of `reward.fns`:", RewardFnSpec, "")
     return "\n".join(lines)
 
 
