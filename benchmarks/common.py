@@ -397,6 +397,9 @@ def same_work_mismatches(cfg: Any, trl: dict[str, Any], world: int = 1) -> list[
         "stop strings (TRL: EOS only)": (list(g.stop_sequences), []),
         "dtype": (m.dtype, "bfloat16" if trl["bf16"] else "float32"),
         "value function starts at 0": (m.value_head_std, 0.0),
+        # TRL keeps the logits of its generate() call as the old log-probs; rallyrl does the same with
+        # rollout.logprobs_from=generate (a separate forward pass would be one more policy pass per chunk)
+        "policy log-probs from the generation pass (TRL: always)": (cfg.rollout.logprobs_from, "generate"),
     }
     return [f"{k}: rallyrl {a!r} vs TRL {b!r}" for k, (a, b) in pairs.items() if a != b]
 

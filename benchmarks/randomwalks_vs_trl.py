@@ -89,6 +89,7 @@ def rallyrl_overrides(model_dir: Path, run_dir: Path, iterations: int) -> list[s
         "ppo.max_grad_norm=null",  # TRL's PPO loop does not clip gradients
         f"ppo.lr={LR}",  # the shipped config decays 5e-4 over 30 iterations; compare at TRL's settings
         "ppo.lr_schedule=constant",
+        "rollout.logprobs_from=generate",  # the policy's log-probs from its own decoding, as TRL takes them
     ]
 
 

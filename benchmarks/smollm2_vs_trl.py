@@ -60,7 +60,8 @@ def rallyrl_config(model: str, run_dir: str, iterations: int, episodes: int = EP
         "data": {"prompts": task.TRAIN_PROMPTS},
         "train": {"seed": 0, "run_dir": run_dir, "iterations": iterations, "num_threads": 1, "progress": False,
                   "overwrite": True, "save_final": True},
-        "rollout": {"num_rollouts": episodes, "chunk_size": episodes},
+        # logprobs_from: the policy's log-probs (and values) from its own decoding, as TRL takes them
+        "rollout": {"num_rollouts": episodes, "chunk_size": episodes, "logprobs_from": "generate"},
         "generation": {"max_new_tokens": max_new_tokens, "do_sample": True, "temperature": 1.0, "top_k": 0,
                        "top_p": 1.0},
         "ppo": {"epochs": EPOCHS, "num_minibatches": MINIBATCHES, "lr": LR, "lr_schedule": "constant",

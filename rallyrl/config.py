@@ -155,6 +155,14 @@ class TrainConfig:
 class RolloutConfig:
     num_rollouts: int = _f(64, "GLOBAL samples per iteration, split over the ranks as evenly as possible.")
     chunk_size: int = _f(16, "Per-rank generation batch; one central reward step per chunk round.")
+    logprobs_from: Literal["forward", "generate"] = _f(
+        "forward",
+        "Where each rollout's policy log-probs and values come from. `forward`: a separate policy forward "
+        "over the sampled tokens after generation (the first PPO step's ratio is exactly 1). `generate`: "
+        "the logits and final hidden states generate() computed while sampling (as TRL does): one policy "
+        "forward less per chunk; equal to `forward`'s up to float rounding of the KV-cached math (~1e-5 "
+        "in float32; more in bf16, where veRL and OpenRLHF recompute for that reason).",
+    )
 
 
 @dataclass

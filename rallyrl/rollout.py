@@ -33,6 +33,9 @@ class Generated:
     response_mask: torch.Tensor  # (B, T) bool
     response_lists: list[list[int]]  # the same response tokens, unpadded (what the reward function sees)
     outputs: list[str]  # decode(response) without special tokens
+    # rollout.logprobs_from=generate: the policy's (B, T) log-probs and values from the decoding itself
+    logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.outputs)
@@ -192,8 +195,11 @@ def truncate_at_stop(ids: list[int], tokenizer: Any, stop_sequences: list[str]) 
 
 @torch.no_grad()
 def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: GenerationConfig, do_sample: bool,
-             device: torch.device) -> Generated:
-    """Sample responses for one chunk of prompts through ``policy.generate`` (KV cache on).
+             device: torch.device, scored: bool = False) -> Generated:
+    """Sample responses for one chunk of prompts through ``policy.generate`` (KV cache on); with
+    ``scored`` (``rollout.logprobs_from: generate``) through ``policy.generate_scored``, which also
+    keeps the policy's log-probs and values of the sampled tokens, so ``score_tokens`` needs no
+    policy forward.
 
     Every rank calls it in every chunk round, with or without prompts: under FSDP the policy's weights
     are gathered once for the whole call (a collective), after which ranks decode independently for as
@@ -201,7 +207,8 @@ def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: Ge
     with dist.gathered(policy):
         if not query_ids:  # a rank with no sample in this chunk round still enters the reward step
             empty = torch.zeros(0, 0, dtype=torch.long)
-            return Generated(empty, empty.bool(), empty, empty.bool(), [], [])
+            none = torch.zeros(0, 0) if scored else None
+            return Generated(empty, empty.bool(), empty, empty.bool(), [], [], none, none)
         q, qm = pad(query_ids, tokenizer.pad_token_id, left=True)  # (B, Q)
         sampling: dict[str, Any] = dict(max_new_tokens=gen.max_new_tokens, do_sample=do_sample,
                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -209,7 +216,11 @@ def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: Ge
             sampling.update(temperature=gen.temperature, top_k=gen.top_k or None, top_p=gen.top_p)
         else:
             sampling.update(temperature=None, top_k=None, top_p=None)
-        responses = policy.generate(q.to(device), qm.to(device), **sampling).tolist()  # (B, T') as lists
+        if scored:
+            ids, step_lp, step_v = policy.generate_scored(q.to(device), qm.to(device), gen.temperature, **sampling)
+        else:
+            ids = policy.generate(q.to(device), qm.to(device), **sampling)  # (B, T')
+        responses = ids.tolist()
     eos = tokenizer.eos_token_id
     kept: list[list[int]] = []
     for r in responses:
@@ -217,27 +228,39 @@ def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: Ge
             # Keep EOS: choosing to stop is an action with a reward. What follows is generate()'s padding.
             r = r[: r.index(eos) + 1]
         r = truncate_at_stop(r, tokenizer, gen.stop_sequences)
+        # (never empty: generate() samples at least one token, and both cuts keep at least one)
         kept.append(r or [eos if eos is not None else tokenizer.pad_token_id])
     r_ids, rm = pad(kept, tokenizer.pad_token_id, left=False)  # (B, T)
     outputs = [tokenizer.decode(r, skip_special_tokens=True) for r in kept]
-    return Generated(q, qm, r_ids, rm, kept, outputs)
+    if not scored:
+        return Generated(q, qm, r_ids, rm, kept, outputs)
+    T = r_ids.shape[1]  # <= T': the cuts only shorten responses, token t stays at column t
+    return Generated(q, qm, r_ids, rm, kept, outputs, (step_lp[:, :T].float() * rm).cpu(),
+                     (step_v[:, :T].float() * rm).cpu())
 
 
 @torch.no_grad()
 def score_tokens(policy: Policy, reference: Reference, gen: Generated, temperature: float,
-                 device: torch.device) -> Scored | None:
+                 device: torch.device, from_generation: bool = False) -> Scored | None:
     """One forward of the policy (log-probs + values) and one of the reference (log-probs); None for an
-    empty chunk. Every rank calls it in every chunk round: under FSDP each model is gathered in turn
-    (one whole model at a time) around its forward, so a rank without samples still takes part."""
+    empty chunk. With ``from_generation`` (``rollout.logprobs_from: generate``) the policy's part was
+    kept by ``generate`` and only the reference runs. Every rank calls it in every chunk round: under
+    FSDP each model is gathered in turn (one whole model at a time) around its forward, so a rank
+    without samples still takes part (``from_generation`` comes from the config, the same on all ranks)."""
     q, qm = gen.query_ids.to(device), gen.query_mask.to(device)
     r, rm = gen.response_ids.to(device), gen.response_mask.to(device)
-    with dist.gathered(policy):
-        if len(gen):
-            logits, values = policy(q, qm, r, rm)  # (B, T, V), (B, T)
-            # Temperature is part of the sampling policy, so log-probs (and the KL) are of the scaled
-            # logits, in the rollout pass and in training alike (as in TRL).
-            logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
-            del logits
+    if from_generation:
+        if gen.logprobs is None or gen.values is None:
+            raise ValueError("score_tokens(from_generation=True) needs generate(..., scored=True) output")
+        logprobs, values = gen.logprobs.to(device), gen.values.to(device)
+    else:
+        with dist.gathered(policy):
+            if len(gen):
+                logits, values = policy(q, qm, r, rm)  # (B, T, V), (B, T)
+                # Temperature is part of the sampling policy, so log-probs (and the KL) are of the scaled
+                # logits, in the rollout pass and in training alike (as in TRL).
+                logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
+                del logits
     with dist.gathered(reference):
         ref_lp = reference.logprobs(q, qm, r, rm, temperature) if len(gen) else None  # (B, T)
     if ref_lp is None:

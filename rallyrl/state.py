@@ -30,7 +30,7 @@ class Learner:
     @staticmethod
     def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int) -> "Learner":
         # FSDP: shard first, so the optimizer is built over (and its state sharded like) the shards.
-        policy = dist.shard(policy, forward_methods=("generate",))
+        policy = dist.shard(policy, forward_methods=("generate", "generate_scored"))
         params = [p for p in policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay,
                                       fused=_fused_adamw_ok(params) or None)

@@ -48,7 +48,7 @@ __all__ = ["TrainResult", "collect_rollouts", "compute_advantages", "ppo_update"
 
 @dist.stage("rollout stage (generation and the central reward step)")
 def collect_rollouts(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, shard: Shard,
-                     gen: GenerationConfig, do_sample: bool, device: torch.device
+                     gen: GenerationConfig, do_sample: bool, device: torch.device, from_generation: bool = False
                      ) -> tuple[Rollouts, StepStats, dict[str, float]]:
     """Each chunk round: generate, submit the round to the central reward step, run the log-prob/value
     passes. The rewards are collected once, after the last round (with ``reward.overlap`` the reward
@@ -61,12 +61,13 @@ def collect_rollouts(models: LoadedModels, reward_step: RewardStep, prompts: Pro
         mine = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]  # may be empty on some ranks
         texts, metadata = prompts.texts(mine), prompts.metadata(mine)
         t0 = time.perf_counter()
-        g = generate(models.policy, models.tokenizer, prompts.token_ids(mine), gen, do_sample, device)
+        g = generate(models.policy, models.tokenizer, prompts.token_ids(mine), gen, do_sample, device,
+                     scored=from_generation)
         t_gen += time.perf_counter() - t0
         handles.append(reward_step.submit(Samples(texts, g.outputs, g.response_lists, metadata)))  # a collective
         t0 = time.perf_counter()
         # every rank calls it (under fsdp it gathers the weights: a collective); None for an empty chunk
-        scored = score_tokens(models.policy, models.reference, g, gen.temperature, device)
+        scored = score_tokens(models.policy, models.reference, g, gen.temperature, device, from_generation)
         t_fwd += time.perf_counter() - t0
         if scored is not None:
             first = shard.first_index + r * shard.chunk_size
@@ -233,7 +234,8 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             # 1-2. rollouts + central reward step
             shard = Shard.of_plan(plan, dist.rank(), state.sampler.next(plan.num_rollouts))
             ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, shard, cfg.generation,
-                                                 cfg.generation.do_sample, device)
+                                                 cfg.generation.do_sample, device,
+                                                 cfg.rollout.logprobs_from == "generate")
             # 3-4. KL-shaped rewards and advantages
             rewards, seq_kl = shape_rewards(ro, state, cfg.ppo)
             advantages, returns = compute_advantages(ro, rewards, cfg.ppo)

@@ -18,3 +18,21 @@ def tiny_model(tmp_path_factory) -> Path:
     from rallyrl.testing import build_tiny_gpt2
 
     return build_tiny_gpt2(tmp_path_factory.mktemp("tiny") / "gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model, tmp_path_factory):
+    """A 2-layer, 64-dim Llama (untied head, rotary positions) sharing the tiny GPT-2's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny") / "llama"
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -6,13 +6,17 @@ Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) resp
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from .. import ops
 from ..seeding import stream_generator
 
 
@@ -30,6 +34,14 @@ class Policy(Protocol):
 
     def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
         """Sampled response token ids (B, T') for the queries (no query tokens; ends padded)."""
+        ...
+
+    def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
+                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As ``generate``, plus what ``forward`` would give for those tokens, taken from the decoding
+        itself: log-probs (B, T') of the sampled tokens under the logits divided by ``score_temperature``
+        (the sampling temperature, also when decoding greedily, as ``score_tokens``), and
+        values (B, T'). Equal to ``forward``'s up to float rounding (KV-cached vs whole-sequence math)."""
         ...
 
     def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -83,3 +95,59 @@ def lm_save_kwargs(state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]
     if state_dict is None:
         return {}
     return {"state_dict": {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}}
+
+
+@contextlib.contextmanager
+def last_position_states(module: nn.Module, of_input: bool) -> Iterator[list[torch.Tensor]]:
+    """Collect, for every forward call of ``module`` while open, the hidden state (B, H) at its last
+    sequence position: of its first input (``of_input``, e.g. the LM head, whose input is the final
+    hidden state) or of its output's ``last_hidden_state`` (e.g. a decoder stack). During generation
+    one call is one decoding step, so the list holds the state each sampled token was chosen in."""
+    states: list[torch.Tensor] = []
+
+    def pre(_m: nn.Module, args: tuple) -> None:
+        states.append(args[0][:, -1].detach().clone())  # clone: a view would keep the whole prefill alive
+
+    def post(_m: nn.Module, _args: tuple, out: Any) -> None:
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        states.append(h[:, -1].detach().clone())
+
+    handle = module.register_forward_pre_hook(pre) if of_input else module.register_forward_hook(post)
+    try:
+        yield states
+    finally:
+        handle.remove()
+
+
+def scored_from_generation(ids: torch.Tensor, step_logits: tuple[torch.Tensor, ...], states: list[torch.Tensor],
+                           v_head: nn.Module, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs (B, T') and values (B, T') of generated ``ids`` (B, T') from generate()'s raw per-step
+    logits (``output_logits``: T' tensors (B, V)) and the per-step hidden states of
+    ``last_position_states``. Step t's logits and state are those response token t was sampled from."""
+    T = ids.shape[1]
+    if len(step_logits) != T or len(states) != T:
+        raise RuntimeError(f"generate() ran {len(states)} forward steps and returned {len(step_logits)} logits "
+                           f"for {T} new tokens; rollout.logprobs_from=generate needs one of each per token")
+    # one step at a time: a (B, T', V) stack would double the logits' memory
+    logprobs = torch.stack([ops.logprobs_from_logits(lg.float() / temperature, ids[:, t])
+                            for t, lg in enumerate(step_logits)], 1)  # (B, T')
+    values = v_head(torch.stack(states, 1)).squeeze(-1).float()  # (B, T')
+    return logprobs, values
+
+
+def quiet_generate(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, **kwargs: Any) -> Any:
+    """``lm.generate`` with the KV cache and without lock-step decoding (the whole output: a causal LM
+    echoes the query first, a seq2seq LM starts with the decoder-start token)."""
+    # We always pass the attention mask, but generate() drops an all-ones one, after which the pads of
+    # finished rows make transformers warn about a missing mask; that warning does not apply.
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    level = hf_log.level
+    hf_log.setLevel(logging.ERROR)
+    try:
+        # synced_gpus=False: ranks never decode in lock-step. transformers turns synced_gpus on for a
+        # model with FSDP-sharded blocks (a per-step all-reduce of "done" flags), which would hang when
+        # ranks call generate() different numbers of times; rallyrl gathers the weights for the whole
+        # call instead (dist.gathered), so decoding needs no collective at all.
+        return lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False, **kwargs)
+    finally:
+        hf_log.setLevel(level)

@@ -7,7 +7,6 @@ happens here and nowhere else.
 from __future__ import annotations
 
 import inspect
-import logging
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import frozen_copy, lm_save_kwargs, make_value_head
+from .base import (frozen_copy, last_position_states, lm_save_kwargs, make_value_head, quiet_generate,
+                   scored_from_generation)
 
 
 class CausalPolicy(nn.Module):
@@ -40,21 +40,18 @@ class CausalPolicy(nn.Module):
 
     @torch.no_grad()
     def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
-        # We always pass the attention mask, but generate() drops an all-ones one, after which the pads
-        # of finished rows make transformers warn about a missing mask; that warning does not apply.
-        hf_log = logging.getLogger("transformers.modeling_utils")
-        level = hf_log.level
-        hf_log.setLevel(logging.ERROR)
-        try:
-            # synced_gpus=False: ranks never decode in lock-step. transformers turns synced_gpus on for a
-            # model with FSDP-sharded blocks (a per-step all-reduce of "done" flags), which would hang
-            # when ranks call generate() different numbers of times; rallyrl gathers the weights for the
-            # whole call instead (dist.gathered), so decoding needs no collective at all.
-            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False,
-                                   **sampling)
-        finally:
-            hf_log.setLevel(level)
-        return out[:, query.shape[1] :]  # (B, T'): a causal LM echoes the query first
+        return quiet_generate(self.lm, query, query_mask, **sampling)[:, query.shape[1] :]  # (B, T')
+
+    @torch.no_grad()
+    def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
+                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The LM head's input is the final hidden state forward() puts the value head on
+        # (hidden_states[-1]); generate() computes it at each step anyway.
+        with last_position_states(self.lm.get_output_embeddings(), of_input=True) as states:
+            out = quiet_generate(self.lm, query, query_mask, return_dict_in_generate=True, output_logits=True,
+                                 **sampling)
+        ids = out.sequences[:, query.shape[1] :]  # (B, T')
+        return ids, *scored_from_generation(ids, out.logits, states, self.v_head, score_temperature)
 
     def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """``state_dict``: this policy's whole state dict (``lm.*``, ``v_head.*``) when the module's own
@@ -92,3 +89,4 @@ def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
     keep = "logits_to_keep" in inspect.signature(base.forward).parameters
     return lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=hidden_states,
               use_cache=False, **({"logits_to_keep": response.shape[1] + 1} if keep else {}))
+

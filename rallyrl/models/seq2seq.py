@@ -9,7 +9,6 @@ response token t; no query tokens are ever concatenated with the response.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import frozen_copy, lm_save_kwargs, make_value_head
+from .base import (frozen_copy, last_position_states, lm_save_kwargs, make_value_head, quiet_generate,
+                   scored_from_generation)
 
 
 class Seq2SeqPolicy(nn.Module):
@@ -37,15 +37,19 @@ class Seq2SeqPolicy(nn.Module):
 
     @torch.no_grad()
     def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
-        hf_log = logging.getLogger("transformers.modeling_utils")  # same benign mask warning as causal
-        level = hf_log.level
-        hf_log.setLevel(logging.ERROR)
-        try:
-            out = self.lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False,
-                                   **sampling)  # synced_gpus=False: see CausalPolicy.generate
-        finally:
-            hf_log.setLevel(level)
-        return out[:, 1:]  # (B, T'): generate returns decoder ids, starting with the decoder-start token
+        # generate returns decoder ids, starting with the decoder-start token
+        return quiet_generate(self.lm, query, query_mask, **sampling)[:, 1:]  # (B, T')
+
+    @torch.no_grad()
+    def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
+                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # The decoder stack's output is forward()'s decoder_hidden_states[-1] (not the LM head's input:
+        # a tied T5 rescales it before the head).
+        with last_position_states(self.lm.get_decoder(), of_input=False) as states:
+            out = quiet_generate(self.lm, query, query_mask, return_dict_in_generate=True, output_logits=True,
+                                 **sampling)
+        ids = out.sequences[:, 1:]  # (B, T')
+        return ids, *scored_from_generation(ids, out.logits, states, self.v_head, score_temperature)
 
     def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         self.lm.save_pretrained(out, safe_serialization=True, **lm_save_kwargs(state_dict))  # as CausalPolicy
