@@ -49,6 +49,36 @@ def test_resume_after_sigkill_is_bit_identical(tiny_model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "B" / "checkpoints").iterdir()) == ["step_3", "step_4"]
 
 
+@pytest.mark.parametrize("model_cfg, logprobs_from", [
+    ({"reference": "lora", "lora": {"r": 4}}, "forward"),
+    ({"reference": "shared", "num_layers_unfrozen": 1}, "generate"),
+], ids=["lora", "shared-logprobs-from-generate"])
+def test_resume_after_sigkill_is_bit_identical_for_lora_and_shared(tiny_model, tmp_path, model_cfg, logprobs_from):
+    """The same guarantee with the references that share the policy's weights (LoRA: the adapter
+    trains, the base is the reference; shared: frozen bottom block), on 2 processes; the shared case
+    also takes the rollout log-probs from generation."""
+    def cfg(run):
+        c = _cfg(tiny_model, run)
+        c["model"].update(model_cfg)
+        c["rollout"]["logprobs_from"] = logprobs_from
+        return c
+
+    ref = rallyrl_train(write_config(tmp_path / "a.yaml", cfg(tmp_path / "A")), 2)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cmd, e = kill_when_paused(write_config(tmp_path / "b.yaml", cfg(tmp_path / "B")), 2, tmp_path / "calls",
+                              pause_at=6)
+    assert [m["step"] for m in read_jsonl(tmp_path / "B" / "metrics.jsonl")] == [1, 2]
+    resume_latest(cmd, e)
+    a = load_file(tmp_path / "A" / "checkpoints" / "step_4" / "policy.safetensors")
+    b = load_file(tmp_path / "B" / "checkpoints" / "step_4" / "policy.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}  # noqa: E731
+    ma, mb = read_jsonl(tmp_path / "A" / "metrics.jsonl"), read_jsonl(tmp_path / "B" / "metrics.jsonl")
+    assert [strip(m) for m in ma] == [strip(m) for m in mb]
+    assert ma[-1]["policy/kl"] != 0.0  # the policy moved away from its reference
+    assert read_jsonl(tmp_path / "A" / "rollouts.jsonl") == read_jsonl(tmp_path / "B" / "rollouts.jsonl")
+
+
 def _faulty_run(tiny_model, tmp_path, timeout_s: float, **fault_env: str) -> tuple[str, float]:
     """A 2-process run with `local` placement and a fault injected into one rank; it must fail."""
     cfg = base_config(tiny_model, tmp_path / "run", reward={"fn": "tests.helpers.rewards:hashed_with_crashes",
