@@ -9,7 +9,7 @@ on the same ``--batch`` prompts, ``--new-tokens`` tokens each (``min_new_tokens`
 decodes the same number of steps), three ways, in one run:
 
 - ``replica``: the unsharded policy, as every rank holds it under ddp. The baseline.
-- ``gathered``: the sharded policy inside ``rallyrl.sharding.gathered`` (what rallyrl does): every FSDP
+- ``gathered``: the sharded policy inside ``rallyrl.dist.gathered`` (what rallyrl does): every FSDP
   unit (each transformer block, the root) is all-gathered once, generation runs on whole weights with
   no collective, then the weights are resharded. L + 1 all-gathers per call for L blocks.
 - ``per_step``: the sharded policy with FSDP2's own forward hooks only: every block is all-gathered
@@ -39,21 +39,23 @@ sys.path.insert(0, str(ROOT))
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.nproc))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.nproc))
     import torch
-    import torch.distributed as tdist
 
-    from rallyrl import sharding
+    from rallyrl import dist
     from rallyrl.config import ModelConfig
     from rallyrl.models import load_models
 
-    tdist.init_process_group("gloo", rank=rank, world_size=args.nproc)
+    dist.init_accelerator(60.0, sharding="fsdp")  # the gloo group, and dist.shard / gathered shard as in training
     torch.set_num_threads(1)
     models = load_models(ModelConfig(path=args.model), seed=0)
     replica = load_models(ModelConfig(path=args.model), seed=0).policy
-    names = sharding.block_classes(models.policy)
-    L = sum(type(m).__name__ in names for m in models.policy.modules())  # transformer blocks
-    policy = sharding.shard(models.policy, forward_methods=("generate",))
+    # transformer blocks: the classes the model lists in _no_split_modules, FSDP's units besides the root
+    names = {n for m in models.policy.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    L = sum(type(m).__name__ in names for m in models.policy.modules())
+    policy = dist.shard(models.policy, forward_methods=("generate",))
+    assert dist.is_sharded()
     tok = models.tokenizer
     texts = ["the cat sat", "a dog ran in", "good morning", "what a lovely"] * (args.batch // 4 + 1)
     enc = tok(texts[: args.batch], return_tensors="pt", padding=True)
@@ -61,12 +63,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
 
     def run(mode: str) -> tuple[float, list[list[int]]]:
-        tdist.barrier()
+        dist.barrier()
         t0 = time.perf_counter()
         if mode == "replica":
             ids = replica.generate(enc.input_ids, enc.attention_mask, **kw)
         elif mode == "gathered":
-            with sharding.gathered(policy):
+            with dist.gathered(policy):
                 ids = policy.generate(enc.input_ids, enc.attention_mask, **kw)
         else:
             ids = policy.generate(enc.input_ids, enc.attention_mask, **kw)
@@ -90,8 +92,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                   "all_gathers_per_call": {"replica": 0, "gathered": L + 1, "per_step": (L + 1) * args.new_tokens},
                   "same_tokens": same, "load_average": os.getloadavg()}
         Path(out).write_text(json.dumps(result, indent=1))
-    tdist.barrier()
-    tdist.destroy_process_group()
+    dist.shutdown()  # a last barrier, then the group is destroyed
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ A checkpoint is a folder ``run_dir/checkpoints/step_<N>/``:
     manifest.json             size and sha256 of every file above; written last
 
 With ``model.sharding: fsdp`` the weights and optimizer tensors are written by every rank, each its own
-shards, with ``torch.distributed.checkpoint`` (DCP), instead of ``policy.safetensors`` and
-``optimizer.safetensors``:
+shards, with PyTorch's distributed checkpointing (DCP, through ``dist.save_sharded``), instead of
+``policy.safetensors`` and ``optimizer.safetensors``:
 
     sharded/shard-<R+1>-model-00001-of-00001.safetensors   rank R's shards of the policy + value head
                               weights and of the optimizer tensors, their offsets in the header
@@ -54,12 +54,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from . import dist, sharding
+from . import dist
 from .errors import CheckpointError
 from .seeding import get_rng_state, set_rng_state
 
 FORMAT_VERSION = 1
-SHARDED_DIR = "sharded"  # model.sharding: fsdp: the torch.distributed.checkpoint files, one per rank
+SHARDED_DIR = "sharded"  # model.sharding: fsdp: the DCP files (dist.save_sharded), one per rank
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -203,7 +203,7 @@ def save_checkpoint(
     param_groups: list[Any] = []
 
     def save_shards() -> None:  # every rank: its shards of the weights and optimizer state
-        param_groups[:] = sharding.save_sharded(str(tmp / SHARDED_DIR), policy, optimizer)
+        param_groups[:] = dist.save_sharded(str(tmp / SHARDED_DIR), policy, optimizer)
         for f in (tmp / SHARDED_DIR).iterdir():
             if f.name.startswith(f"shard-{dist.rank() + 1:05d}-"):
                 _fsync_file(f)
@@ -329,7 +329,7 @@ def load_checkpoint(
         # DCP reshards: each rank reads its slices from whichever files hold them, so the checkpoint
         # may come from another number of processes.
         groups = _load_split(path / "optimizer")["param_groups"]
-        dist.agree(lambda: sharding.load_sharded(str(path / SHARDED_DIR), policy, optimizer, groups),
+        dist.agree(lambda: dist.load_sharded(str(path / SHARDED_DIR), policy, optimizer, groups),
                    CheckpointError, what=f"loading checkpoint {path}")
     else:
         missing, unexpected = load_model(policy, str(path / "policy.safetensors"), strict=True)

@@ -6,6 +6,10 @@ of statistics is reduced with ONE all-reduce of a stacked tensor, not one call p
 
 Object collectives (gather/scatter of Python objects) carry the reward step's samples and results. On
 NCCL they need the current CUDA device to be set, which ``accelerate`` does when it starts.
+
+``model.sharding: fsdp`` (FSDP2 and its DCP checkpoints) lives here too, in the "FSDP2" section: the
+public wrappers (``shard``, ``gathered``, ``no_sync``, ``clip_grad_norm``, ``full_state_dict``,
+``save_sharded`` / ``load_sharded``) are all that ``trainer``, ``state`` and ``checkpoint`` see.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import contextlib
 import datetime
 import importlib
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from .errors import CollectiveTimeoutError, Failure, StageError
@@ -135,7 +140,7 @@ def is_sharded() -> bool:
     return _sharding == "fsdp" and is_distributed()
 
 
-# --- the trained model: DDP (through accelerate) or FSDP2 (rallyrl.sharding) ----------------------
+# --- the trained model: DDP (through accelerate) or FSDP2 (the FSDP2 section below) ---------------
 # Under DDP the gradient all-reduce happens in backward(); under FSDP2 every forward and backward
 # gathers each block's weights and backward reduce-scatters its gradients.
 
@@ -146,9 +151,7 @@ def shard(model: torch.nn.Module, forward_methods: Sequence[str] = ()) -> torch.
     optimizer is created (the optimizer must hold the shards) and for the frozen reference."""
     if not is_sharded():
         return model
-    from . import sharding
-
-    return sharding.shard(model, forward_methods)
+    return _fsdp_shard(model, forward_methods)
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, Any]:
@@ -165,9 +168,7 @@ def gathered(*models: torch.nn.Module) -> Any:
     ranks (generation, rollout scoring, eval) run inside it, so they contain no collective."""
     if not is_sharded():
         return contextlib.nullcontext()
-    from . import sharding
-
-    return sharding.gathered(*models)
+    return _fsdp_gathered(*models)
 
 
 def backward(loss: torch.Tensor) -> None:
@@ -182,9 +183,7 @@ def backward(loss: torch.Tensor) -> None:
 def no_sync(model: torch.nn.Module) -> Any:
     """Context in which backward() only accumulates gradients locally (gradient accumulation)."""
     if is_sharded():
-        from . import sharding
-
-        return sharding.no_sync(model)
+        return _fsdp_no_sync(model)
     return _accelerator.no_sync(model)
 
 
@@ -193,17 +192,25 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     reading it is left to the caller's one host sync per step). Under FSDP the norm is of the whole
     gradient (the shards' partial norms are all-reduced), the same number DDP reports."""
     if is_sharded():
-        from . import sharding
-
-        return sharding.clip_grad_norm(model, max_norm)
+        return _fsdp_clip_grad_norm(model, max_norm)
     return _accelerator.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def local_nbytes(tensors: Any) -> int:
-    """Bytes of ``tensors`` held by this rank (FSDP: the local shards), shared storage counted once."""
-    from . import sharding
+def local_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes these tensors hold on this rank: a ``DTensor`` (FSDP) counts its local shard; tensors sharing
+    storage (tied embeddings) count once. No collective: works without a process group."""
+    from torch.distributed.tensor import DTensor
 
-    return sharding.local_nbytes(tensors)
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        ptr = local.untyped_storage().data_ptr() if local.numel() else -id(local)
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        total += local.numel() * local.element_size()
+    return total
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -211,9 +218,11 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     empty dict elsewhere. None when the model is not sharded (every rank already holds all of it)."""
     if not is_sharded():
         return None
-    from . import sharding
+    return _fsdp_full_state_dict(model)
 
-    return sharding.full_state_dict(model)
+
+# ``save_sharded`` / ``load_sharded`` (the FSDP checkpoint files, used by checkpoint.py only under FSDP)
+# are at the end of the FSDP2 section below.
 
 
 def _device() -> torch.device:
@@ -324,3 +333,191 @@ def shutdown() -> None:
 def barrier() -> None:
     if is_distributed():
         tdist.barrier()
+
+
+# --- FSDP2 ----------------------------------------------------------------------------------------
+# ``model.sharding: fsdp``: sharded models, gathered generation, sharded checkpoints. Everything here is
+# PyTorch's own engine: ``torch.distributed.fsdp.fully_shard`` (FSDP2, parameters as ``DTensor`` shards
+# over a 1-D device mesh of all ranks), ``torch.distributed.checkpoint`` (DCP) for the sharded
+# checkpoints, ``torch.distributed.checkpoint.state_dict`` for (full or sharded) state dicts. Only the
+# public wrappers above and ``save_sharded`` / ``load_sharded`` call into it; above ``dist`` and
+# ``checkpoint`` nothing knows whether a model is sharded (DESIGN.md). The FSDP / DCP submodules are
+# imported inside the functions: a ddp run never pays for them.
+#
+# How a model is sharded (``_fsdp_shard``): every transformer block (the classes a Hugging Face model
+# lists in ``_no_split_modules``, e.g. ``GPT2Block``, ``LlamaDecoderLayer``, ``T5Block``) is one FSDP
+# unit, and the module itself (embeddings, final norm, LM head, value head) is the root unit; all with
+# ``reshard_after_forward=True``, the root included (FSDP2 leaves the root gathered after forward by
+# default, a good guess for training but wrong for the frozen reference, which has no backward that
+# would reshard it: it would stay fully gathered for the rest of the run). The optimizer is created
+# after ``shard``, so its state is created from, and sharded like, the ``DTensor`` parameters.
+#
+# Forward passes gather each block's weights just before the block runs and free them after (one
+# all-gather per unit per forward, one more per unit in backward, one reduce-scatter per unit for the
+# gradients). That makes every forward a collective: every rank must run the same number of them. The
+# update loop does (``config.make_batch_plan`` refuses plans where ranks would take different numbers
+# of micro-batches); the rollout and eval stages do not (a rank can have no sample in a chunk round,
+# and ``generate`` stops when this rank's samples are done), so there the model is gathered once for
+# the whole call instead (``gathered``): one all-gather per unit, then no collective until it is
+# resharded.
+
+
+def _block_classes(module: torch.nn.Module) -> set[str]:
+    """Names of the transformer-block classes of the Hugging Face models inside ``module``."""
+    names: set[str] = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    return names
+
+
+def _fsdp_shard(module: torch.nn.Module, forward_methods: Iterable[str] = ()) -> torch.nn.Module:
+    """Shard ``module`` in place with FSDP2: each transformer block, then the root. ``forward_methods``
+    are methods other than ``forward`` that run the model (``generate``, ``logprobs``): FSDP2 hooks
+    only ``forward``; registered methods get the root's pre/post-forward hooks too, so the first one
+    called initialises FSDP from the root (a block running first would wrongly become a root)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from .config import ConfigError  # inside: dist stays cheap to import (config pulls in yaml)
+
+    names = _block_classes(module)
+    blocks = [m for m in module.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ConfigError(
+            f"model.sharding: fsdp cannot find the transformer blocks of {type(module).__name__}: its model "
+            f"declares no `_no_split_modules`. Use model.sharding: ddp")
+    # The policy's forward returns slices (logits and values at the response positions); FSDP2 warns
+    # that an in-place op on such a view would skip its pre-backward hook. Nothing modifies them in
+    # place (the loss math is out of place), so the warning, printed by every rank, is noise here.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    device = next(module.parameters()).device
+    mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    for name in forward_methods:
+        register_fsdp_forward_method(module, name)
+    return module
+
+
+def _fsdp_units(module: torch.nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def _fsdp_gathered(*modules: torch.nn.Module) -> Iterator[None]:
+    """Every unit of ``modules`` all-gathered once on entry and kept whole until exit: the forwards
+    inside (a whole ``generate`` loop, a rollout scoring pass) run without any collective, so ranks may
+    run different numbers of them (or none). Costs one full copy of each module while inside."""
+    units = [u for m in modules for u in _fsdp_units(m)]
+    for u in units:
+        u.set_reshard_after_forward(False, recurse=False)
+        u.unshard()
+    try:
+        yield
+    finally:
+        for u in units:
+            u.reshard()
+            u.set_reshard_after_forward(True, recurse=False)
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: torch.nn.Module) -> Iterator[None]:
+    """Gradient accumulation: backward keeps this rank's (unsharded) gradients, no reduce-scatter;
+    the next backward outside reduces the accumulated sum (FSDP2's ``no_sync``)."""
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def _fsdp_clip_grad_norm(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the sharded gradients by their global norm; returns the norm (a plain 0-dim tensor).
+    ``get_total_norm`` over ``DTensor`` shards is a partial result; ``full_tensor()`` all-reduces it
+    into the norm of the whole gradient, which is what DDP's clipping sees (torchtitan does the same)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def _fsdp_dedupe(sd: dict[str, Any]) -> dict[str, Any]:
+    """Drop every key whose tensor shares storage with an earlier key's (tied embeddings): safetensors
+    refuses shared tensors, and loading the first key fills the tied one too."""
+    from torch.distributed.tensor import DTensor
+
+    out, seen = {}, set()
+    for k, v in sd.items():
+        local = v.to_local() if isinstance(v, DTensor) else v
+        ptr = local.untyped_storage().data_ptr() if isinstance(local, torch.Tensor) and local.numel() else None
+        if ptr is not None and ptr in seen:
+            continue
+        if ptr is not None:
+            seen.add(ptr)
+        out[k] = v
+    return out
+
+
+def _fsdp_flat(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One flat dict of tensors for DCP: ``model.<fqn>`` and ``optim.<fqn>.<state key>``. The optimizer's
+    param groups (plain numbers) go to JSON beside it, so the DCP files hold tensors only."""
+    flat = {f"model.{k}": v for k, v in _fsdp_dedupe(model_sd).items()}
+    for fqn, st in optim_sd["state"].items():
+        for k, v in st.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"optimizer state {fqn}.{k} is a {type(v).__name__}, not a tensor")
+            flat[f"optim.{fqn}.{k}"] = v
+    return flat
+
+
+def _fsdp_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Collective: the whole (unsharded) model state dict on rank 0, on CPU, gathered one unit at a
+    time (``cpu_offload``), so rank 0 holds at most one full copy; an empty dict on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Gathered tensors are separate copies; tied parameters (GPT-2's head and input embeddings) become
+    # one tensor again, so save_pretrained sees the tie and writes the matrix once.
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in full and id(p) in first:
+            full[name] = full[first[id(p)]]
+        first.setdefault(id(p), name)
+    return full
+
+
+def save_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Collective (FSDP only): every rank writes its shards of the model and optimizer state into
+    ``path`` (one safetensors file per rank, with DCP's shard offsets in its header: torch's
+    ``HuggingFaceStorageWriter``, so nothing is pickled). Returns the optimizer's param groups (JSON)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save(_fsdp_flat(model_sd, optim_sd),
+             storage_writer=HuggingFaceStorageWriter(path, save_distributed=True))
+    return optim_sd["param_groups"]
+
+
+def load_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 param_groups: list[dict[str, Any]]) -> None:
+    """Collective (FSDP only): restore model and optimizer from ``save_sharded``'s files. DCP reads each
+    rank's slices from whichever files hold them, so the saving and loading shardings may differ."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # get_state_dict creates the optimizer's state (a zero-lr step) when it has none yet: the tensors
+    # DCP loads into, with this run's shapes and sharding.
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load(_fsdp_flat(model_sd, optim_sd), storage_reader=HuggingFaceStorageReader(path))
+    set_state_dict(model, optimizer, model_state_dict=model_sd,
+                   optim_state_dict={"state": optim_sd["state"], "param_groups": param_groups})

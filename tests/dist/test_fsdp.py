@@ -154,7 +154,7 @@ def test_fsdp_seq2seq_t5_guard_and_final(tmp_path):
     final/ folder assembled from the shards is exactly the initial model."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from rallyrl.sharding import local_nbytes
+    from rallyrl.dist import local_nbytes
     from rallyrl.testing import build_tiny_t5
 
     t5 = build_tiny_t5(tmp_path / "t5")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rallyrl.config import ConfigError, load_config, make_batch_plan
-from rallyrl.sharding import local_nbytes
+from rallyrl.dist import local_nbytes
 
 
 def test_default_is_ddp_and_fsdp_loads():
