@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from .base import Policy, Reference
+from .base import Reference
 from .causal import CausalPolicy, CopyReference
 from .reference import save_lora, setup_lora, setup_shared
 from .seq2seq import Seq2SeqCopyReference, Seq2SeqPolicy

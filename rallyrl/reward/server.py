@@ -38,7 +38,6 @@ import os
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass

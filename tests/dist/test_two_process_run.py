@@ -1,7 +1,5 @@
 """A real 2-process run (gloo on CPU) with an odd num_rollouts: unequal shards (4 + 3)."""
 
-import json
-
 import pytest
 
 from rallyrl.tracking import read_jsonl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,16 @@ def base_config(model: Path, run_dir: Path, **sections) -> dict:
     for k, v in sections.items():
         cfg.setdefault(k, {}).update(v)
     return cfg
+
+
+def killed_run_copy(run_dir: Path, dest: Path, step: int) -> Path:
+    """``dest`` as a run killed after checkpoint ``step`` of ``run_dir`` would leave it: that one
+    checkpoint and the whole run's logs (iterations after the checkpoint logged, never checkpointed)."""
+    (dest / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / f"step_{step}", dest / "checkpoints" / f"step_{step}")
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        shutil.copy(run_dir / name, dest / name)
+    return dest
 
 
 def write_config(path: Path, cfg: dict) -> Path:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 import rallyrl
 from rallyrl.checkpoint import CheckpointError, join_tensors, resolve_resume, split_tensors, verify_checkpoint
 from rallyrl.tracking import read_jsonl
-from tests.helpers.runs import base_config
+from tests.helpers.runs import base_config, killed_run_copy
 
 pytestmark = pytest.mark.smoke
 
@@ -88,12 +88,7 @@ def test_leftover_tmp_folder_is_ignored(run, tmp_path):
 def test_resume_continues_to_the_same_weights(run, tiny_model, tmp_path):
     """Resume from step 2 of the reference run into a fresh run dir: same final weights, same logs."""
     run_dir, cfg = run
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run_dir / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
-    # logs as a killed run would leave them: step 3 was logged but never checkpointed
-    for name in ("metrics.jsonl", "rollouts.jsonl"):
-        shutil.copy(run_dir / name, resumed / name)
+    resumed = killed_run_copy(run_dir, tmp_path / "resumed", 2)  # step 3+ logged, never checkpointed
     cfg2 = base_config(tiny_model, resumed, train={"iterations": 3, "resume": "latest"},
                        checkpoint={"interval": 1, "keep_last": 2}, ppo={"target_kl": 1.0})
     rallyrl.train(cfg2)

@@ -5,7 +5,6 @@ takes its server with it (PR_SET_PDEATHSIG)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

@@ -2,8 +2,6 @@
 equal the separate forward pass's (up to float rounding) for every model kind, the sampled tokens are
 the same, and a run with it resumes exactly."""
 
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,7 +11,7 @@ from rallyrl.config import GenerationConfig, ModelConfig, load_config
 from rallyrl.models import load_models
 from rallyrl.rollout import generate, score_tokens
 from rallyrl.tracking import read_jsonl
-from tests.helpers.runs import base_config
+from tests.helpers.runs import base_config, killed_run_copy
 
 pytestmark = pytest.mark.smoke
 
@@ -104,11 +102,7 @@ def test_a_run_samples_the_same_and_resumes_exactly(tiny_model, tmp_path):
     for k in ("policy/loss", "value/loss", "policy/clipfrac", "policy/approx_kl"):
         assert b[0][k] == pytest.approx(a[0][k], rel=1e-3, abs=1e-5), k
     # exact resume from step_1 on the new path
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step_1", resumed / "checkpoints" / "step_1")
-    for name in ("metrics.jsonl", "rollouts.jsonl"):
-        shutil.copy(full / name, resumed / name)
+    resumed = killed_run_copy(full, tmp_path / "resumed", 1)
     kw["train"] = {"iterations": 3, "resume": "latest"}
     rallyrl.train(base_config(tiny_model, resumed, rollout={"logprobs_from": "generate"}, **kw))
     x = load_file(full / "checkpoints" / "step_3" / "policy.safetensors")

@@ -1,8 +1,6 @@
 """`model.reference: copy | shared | lora` on tiny local GPT-2 and Llama models: what trains, that the
 reference never moves, first-iteration KL 0, exact resume, final/ contents and the errors."""
 
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -13,7 +11,7 @@ from rallyrl.config import ConfigError, PPOConfig, load_config
 from rallyrl.models import load_models
 from rallyrl.state import Learner
 from rallyrl.tracking import read_jsonl
-from tests.helpers.runs import base_config
+from tests.helpers.runs import base_config, killed_run_copy
 
 pytestmark = pytest.mark.smoke
 
@@ -99,11 +97,7 @@ def test_first_kl_is_zero_and_resume_is_exact(case, request, tmp_path):
     metrics = read_jsonl(full / "metrics.jsonl")
     assert metrics[0]["policy/kl"] == 0.0
     assert metrics[-1]["policy/kl"] != 0.0  # the policy did move away from the reference
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step_1", resumed / "checkpoints" / "step_1")
-    for name in ("metrics.jsonl", "rollouts.jsonl"):
-        shutil.copy(full / name, resumed / name)
+    resumed = killed_run_copy(full, tmp_path / "resumed", 1)
     kw["train"] = {"iterations": 3, "resume": "latest"}
     rallyrl.train(_cfg(model, resumed, model_cfg, **kw))
     a = load_file(full / "checkpoints" / "step_3" / "policy.safetensors")

@@ -308,3 +308,16 @@ def test_server_rows_run_the_asked_interleaved_pairs_and_pair_them_up(monkeypatc
     assert rows["pairs"] == pairs and len(rows["server_overlap_true"]["repeats"]) == pairs
     assert rows["ratio_overlap_to_sync"] == 0.75 and FakeServer.closed
     assert reward_phase.SERVER_PAIRS["quick"] == 1 and reward_phase.SERVER_PAIRS["full"] == 2
+
+
+def test_table_reads_the_overhead_goal_from_the_median_of_the_pairs():
+    rep = _report(2.5, 1.05)
+    rep["reward_phase"]["overhead_pairs"] = [{"a_median_s": 0.9, "b_median_s": 0.8, "ratio": 1.125},
+                                             {"a_median_s": 0.7, "b_median_s": 0.7, "ratio": 1.0},
+                                             {"a_median_s": 0.8, "b_median_s": 0.76, "ratio": 1.05}]
+    t = bench.table(rep)
+    assert "**1.05** (a/b, median of 3 pairs) | <= 1.1 (met)" in t
+    assert "0.900, 0.800, 1.12; 0.700, 0.700, 1.00; 0.800, 0.760, 1.05" in t
+    assert "(first pair)" in t
+    one = bench.table(_report(2.5, 1.2))  # a single pair (QUICK): no pair row
+    assert "**1.20** (a/b) | <= 1.1 (NOT met)" in one and "per interleaved pair" not in one
