@@ -212,9 +212,14 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding)
-    models, learner, state = _build(cfg, inp, device)
-    resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
-    reward_step = _reward_step(cfg, inp)  # starts nothing yet: see open() below
+    reward_step = _reward_step(cfg, inp)
+    reward_step.launch_server()  # `reward.server: local`: rank 0 spawns it now, to start up while we load
+    try:
+        models, learner, state = _build(cfg, inp, device)
+        resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
+    except BaseException:
+        reward_step.close()  # a spawned server stops with the failed start-up
+        raise
     log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                  TrainResult(run_dir.path))
     log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
@@ -225,7 +230,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                                         cfg.eval.do_sample, cfg.rollout.chunk_size, device))
 
     try:
-        reward_step.open()  # `reward.server: local`: rank 0 starts its server process (a collective)
+        reward_step.open()  # `reward.server: local`: rank 0 waits for its server to answer (a collective)
         if resumed_from is None and 0 in evals:
             log.eval_before(run_eval(0))
         for step in range(state.iteration + 1, cfg.train.iterations + 1):
@@ -294,7 +299,7 @@ def _reward_step(cfg: Config, inp: Inputs) -> RewardStep:
     """The central reward step (docs/reward.md, docs/reward-server.md). ``reward.timeout_s`` bounds each
     in-process reward call; a ``RemoteReward`` (``reward.url``, ``reward.server: local``) applies it per
     HTTP attempt itself, so it is not bounded twice. With ``reward.server: local`` the step carries the
-    server (not started: ``open()`` starts it on rank 0, ``close()`` stops it)."""
+    server (``launch_server()`` spawns it on rank 0, ``open()`` waits for it, ``close()`` stops it)."""
     r = cfg.reward
     server, remote_options = None, {}
     if r.server == "local":

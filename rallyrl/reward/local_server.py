@@ -70,9 +70,22 @@ class LocalRewardServer:
         return cmd + ["--host", "127.0.0.1", "--port", "0", *self.extra_args]
 
     def start(self) -> str:
-        """Start the process and wait until ``/health`` answers; returns ``http://127.0.0.1:PORT``. Raises
-        ``LocalServerError`` (with the server's last output) if it exits or is not up in time; the
-        process is stopped then."""
+        """Start the process (unless ``launch`` already did) and wait until ``/health`` answers; returns
+        ``http://127.0.0.1:PORT``. Raises ``LocalServerError`` (with the server's last output) if it
+        exits or is not up in time; the process is stopped then."""
+        self.launch()
+        try:
+            self.url = self._wait_ready(time.monotonic() + self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def launch(self) -> None:
+        """Spawn the process without waiting for it (idempotent): it imports and loads its reward model
+        while the caller goes on (the trainer loads the policy meanwhile); ``start`` then waits."""
+        if self.proc is not None:
+            return
         fd, log = tempfile.mkstemp(prefix="rallyrl-reward-server-", suffix=".log")
         self._log = Path(log)
         env = dict(os.environ)
@@ -85,12 +98,6 @@ class LocalRewardServer:
                                          start_new_session=True, preexec_fn=lambda: _die_with_parent(me))
         finally:
             os.close(fd)
-        try:
-            self.url = self._wait_ready(time.monotonic() + self.startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self.url
 
     def _wait_ready(self, deadline: float) -> str:
         import http.client

@@ -300,6 +300,18 @@ class RewardStep:
         if overlap and self._opened:
             self._check_overlap()
 
+    def launch_server(self) -> None:
+        """Main rank, ``reward.server: local``: spawn the server process now, without waiting for it, so
+        that it starts up while the caller loads models; ``open()`` later waits for it (and reports a
+        failed start on every rank). Not a collective; nothing to do without a local server."""
+        from .. import dist
+
+        if self.server is not None and not self._opened and dist.is_main():
+            try:
+                self.server.launch()
+            except OSError:
+                pass  # open() starts it again and reports the failure collectively
+
     def open(self) -> None:
         """Start what the step needs before its first call; a collective (every rank calls it). With a
         local server: the main rank starts it (a start failure is the same ``RewardError`` on every

@@ -94,3 +94,43 @@ def test_a_local_server_that_died_is_named_in_the_reward_error(overlap):
     finally:
         step.close()
     assert server.proc is None
+
+
+def _server_children() -> list[int]:
+    """Pids of this process's children that run `rallyrl serve-reward`."""
+    import os
+
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().split(")")[-1].split()[1])
+            cmd = open(f"/proc/{pid}/cmdline").read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and "serve-reward" in cmd:
+            out.append(int(pid))
+    return out
+
+
+def test_train_spawns_the_server_before_loading_and_stops_it_when_loading_fails(tiny_model, tmp_path, monkeypatch):
+    """`reward.server: local` is spawned before the models load (it starts up meanwhile); a start-up
+    that fails after that (here: loading the models raises) leaves no server process behind."""
+    import rallyrl
+    import rallyrl.trainer
+    from tests.helpers.runs import base_config
+
+    seen = []
+    real_build = rallyrl.trainer._build
+
+    def failing_build(*args, **kwargs):
+        seen.extend(_server_children())  # already spawned while the models would load
+        real_build(*args, **kwargs)
+        raise RuntimeError("injected: loading failed")
+
+    monkeypatch.setattr(rallyrl.trainer, "_build", failing_build)
+    cfg = base_config(tiny_model, tmp_path / "run", reward={"server": "local"})
+    with pytest.raises(RuntimeError, match="injected"):
+        rallyrl.train(cfg)
+    assert len(seen) == 1
+    assert _gone(seen[0]), "the reward server outlived the failed start-up"
