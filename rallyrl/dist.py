@@ -199,18 +199,27 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def local_nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes these tensors hold on this rank: a ``DTensor`` (FSDP) counts its local shard; tensors sharing
     storage (tied embeddings) count once. No collective: works without a process group."""
-    from torch.distributed.tensor import DTensor
-
     seen: set[int] = set()
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        ptr = local.untyped_storage().data_ptr() if local.numel() else -id(local)
-        if ptr in seen:
-            continue
-        seen.add(ptr)
+        local, key = _local_storage(t)
+        if key is not None:  # (an empty tensor holds no bytes)
+            if key in seen:
+                continue
+            seen.add(key)
         total += local.numel() * local.element_size()
     return total
+
+
+def _local_storage(t: Any) -> tuple[Any, int | None]:
+    """This rank's part of ``t`` (a ``DTensor``'s local shard, else ``t``) and its storage's address, the
+    key under which tensors sharing storage (tied embeddings) are the same; None when it holds nothing."""
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if not isinstance(local, torch.Tensor) or not local.numel():
+        return local, None
+    return local, local.untyped_storage().data_ptr()
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -451,16 +460,13 @@ def _fsdp_clip_grad_norm(module: torch.nn.Module, max_norm: float) -> torch.Tens
 def _fsdp_dedupe(sd: dict[str, Any]) -> dict[str, Any]:
     """Drop every key whose tensor shares storage with an earlier key's (tied embeddings): safetensors
     refuses shared tensors, and loading the first key fills the tied one too."""
-    from torch.distributed.tensor import DTensor
-
     out, seen = {}, set()
     for k, v in sd.items():
-        local = v.to_local() if isinstance(v, DTensor) else v
-        ptr = local.untyped_storage().data_ptr() if isinstance(local, torch.Tensor) and local.numel() else None
-        if ptr is not None and ptr in seen:
-            continue
-        if ptr is not None:
-            seen.add(ptr)
+        _, key = _local_storage(v)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
         out[k] = v
     return out
 

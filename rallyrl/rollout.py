@@ -235,8 +235,7 @@ def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: Ge
     if not scored:
         return Generated(q, qm, r_ids, rm, kept, outputs)
     T = r_ids.shape[1]  # <= T': the cuts only shorten responses, token t stays at column t
-    return Generated(q, qm, r_ids, rm, kept, outputs, (step_lp[:, :T].float() * rm).cpu(),
-                     (step_v[:, :T].float() * rm).cpu())
+    return Generated(q, qm, r_ids, rm, kept, outputs, (step_lp[:, :T] * rm).cpu(), (step_v[:, :T] * rm).cpu())
 
 
 @torch.no_grad()
@@ -252,7 +251,6 @@ def score_tokens(policy: Policy, reference: Reference, gen: Generated, temperatu
     if from_generation:
         if gen.logprobs is None or gen.values is None:
             raise ValueError("score_tokens(from_generation=True) needs generate(..., scored=True) output")
-        logprobs, values = gen.logprobs.to(device), gen.values.to(device)
     else:
         with dist.gathered(policy):
             if len(gen):
@@ -265,5 +263,7 @@ def score_tokens(policy: Policy, reference: Reference, gen: Generated, temperatu
         ref_lp = reference.logprobs(q, qm, r, rm, temperature) if len(gen) else None  # (B, T)
     if ref_lp is None:
         return None
+    if from_generation:  # generate() already masked them and put them on the CPU
+        return Scored(logprobs=gen.logprobs, ref_logprobs=(ref_lp * rm).cpu(), values=gen.values)
     return Scored(logprobs=(logprobs * rm).cpu(), ref_logprobs=(ref_lp * rm).cpu(),
                   values=(values.float() * rm).cpu())

@@ -89,4 +89,3 @@ def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
     keep = "logits_to_keep" in inspect.signature(base.forward).parameters
     return lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=hidden_states,
               use_cache=False, **({"logits_to_keep": response.shape[1] + 1} if keep else {}))
-
