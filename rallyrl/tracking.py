@@ -459,10 +459,14 @@ class RunLog:
         if self.writer:
             self.writer.log_metrics(0, metrics)
 
-    def rollouts(self, ro: "Rollouts", step: int, rank: int) -> None:
+    def rollouts(self, ro: "Rollouts", advantages: list[float], step: int, rank: int) -> None:
+        """One row per sample: its group and its (sequence) advantage (``gae``: the first response
+        token's), and its KL to the reference (null without a reference)."""
         totals = ro.total_rewards().tolist()
-        kls = (ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist()
-        recs = [{"step": step, "rank": rank, "index": i, "prompt": p, "output": o, "reward": totals[k], "kl": kls[k]}
+        kls = ((ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist() if ro.ref_logprobs is not None
+               else [None] * len(ro))
+        recs = [{"step": step, "rank": rank, "index": i, "group": ro.group[k], "prompt": p, "output": o,
+                 "reward": totals[k], "advantage": advantages[k], "kl": kls[k]}
                 for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
         gathered = dist.gather_objects(recs, dst=0)
         if self.writer and gathered:
@@ -474,7 +478,8 @@ class RunLog:
             self.result.metrics.append(m)
         if not dist.is_main():
             return
-        line = (f"iter {step}/{self.total} | reward {m['reward/mean']:.4f} | kl {m['policy/kl']:.4f} | "
+        kl = f" | kl {m['policy/kl']:.4f}" if "policy/kl" in m else ""  # no reference: no KL
+        line = (f"iter {step}/{self.total} | reward {m['reward/mean']:.4f}{kl} | "
                 f"loss {m['policy/total_loss']:.4f} | clipfrac {m['policy/clipfrac']:.3f} | {m['time/iteration']:.2f}s")
         extra = [f"{k}={v:.4f}" for k, v in m.items() if k.startswith("eval/")]
         if extra:
