@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from . import dist
-from .config import Change, Config, ConfigError, TrainConfig, config_changes, format_changes
+from .config import Change, Config, ConfigError, TrainConfig, config_changes, config_warnings, format_changes
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -369,6 +369,7 @@ class RunLog:
 
     def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult) -> None:
         self.writer, self.total, self.result = writer, cfg.train.iterations, result
+        self.log_rollouts = cfg.train.log_rollouts
         self.bar = None
         if cfg.train.progress and dist.is_main():
             from tqdm.auto import tqdm
@@ -380,7 +381,11 @@ class RunLog:
               was_world_size: int | None = None) -> None:
         self.say(f"rallyrl: {plan.world_size} process(es), {plan.num_rollouts} rollouts/iteration "
                  f"({'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s)), "
-                 f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
+                 f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'"
+                 + (f", estimator {cfg.ppo.estimator} with {cfg.rollout.samples_per_prompt} completions per prompt"
+                    if cfg.rollout.samples_per_prompt > 1 or cfg.ppo.critic_free else ""))
+        for warning in config_warnings(cfg):
+            self.say(f"rallyrl: warning: {warning}")
         if resumed_from is not None:
             self.say(f"resumed from {resumed_from} at iteration {iteration}")
         if resumed_from is not None and was_world_size is not None and was_world_size != plan.world_size:
@@ -461,7 +466,10 @@ class RunLog:
 
     def rollouts(self, ro: "Rollouts", advantages: list[float], step: int, rank: int) -> None:
         """One row per sample: its group and its (sequence) advantage (``gae``: the first response
-        token's), and its KL to the reference (null without a reference)."""
+        token's), and its KL to the reference (null without a reference). Nothing with
+        ``train.log_rollouts: false``."""
+        if not self.log_rollouts:
+            return
         totals = ro.total_rewards().tolist()
         kls = ((ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist() if ro.ref_logprobs is not None
                else [None] * len(ro))

@@ -1,6 +1,7 @@
 """The PPO loop, as named stages.
 
-    collect rollouts -> central reward step -> shape rewards (KL penalty) -> GAE -> PPO epochs
+    collect rollouts (G completions per prompt) -> central reward step -> advantages (``ppo.estimator``:
+    KL-shaped rewards + GAE, or the critic-free group statistics of GRPO / RLOO) -> PPO epochs
     -> log / eval / checkpoint
 
 ``train()`` reads top to bottom like a recipe; each stage is a function that takes what it uses (a
@@ -16,6 +17,7 @@ nothing here knows whether the policy is a causal LM or a seq2seq model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +29,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import dist, ops
-from .config import Config, GenerationConfig, PPOConfig, load_config
+from .config import BatchPlan, Config, GenerationConfig, PPOConfig, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
 from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
@@ -265,7 +267,7 @@ def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: 
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
           prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None) -> TrainResult:
-    """Fine-tune ``model.path`` with PPO; shaped like ``trlx.train``; every rank calls it. ``reward_fn``,
+    """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``); shaped like ``trlx.train``; every rank calls it. ``reward_fn``,
     ``prompts``, ``eval_prompts`` and ``metric_fn`` override ``reward.fn``, ``data.*`` and ``eval.metric_fn``
     (a reward or metric function has the trlx signature ``fn(samples, prompts, outputs, **kwargs)``)."""
     cfg = load_config(config, list(overrides or []))
@@ -282,11 +284,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                      TrainResult(run_dir.path))
         log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
         reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
-
-        def run_eval(step: int) -> dict[str, float]:
-            return log.eval(step, *evaluate(models, reward_step, inp.eval_set, inp.metric_fn, cfg.generation,
-                                            cfg.eval.do_sample, cfg.rollout.chunk_size, device))
-
+        run_eval = functools.partial(_evaluate, models, reward_step, inp, cfg, device, log)
         try:
             reward_step.open()  # `reward.server: local`: rank 0 waits for its server to answer (a collective)
             if resumed_from is None and 0 in evals:
@@ -294,11 +292,9 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             for step in range(state.iteration + 1, cfg.train.iterations + 1):
                 t_iter = time.perf_counter()
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
-                # 1-2. rollouts (G completions per drawn prompt) + the central reward step
-                prompt_ids = plan.sample_prompts(state.sampler.next(plan.prompts_per_iteration))
-                ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set,
-                                                     Shard.of_plan(plan, dist.rank(), prompt_ids), cfg.generation,
-                                                     cfg.generation.do_sample, device,
+                # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
+                ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, _next_shard(plan, state),
+                                                     cfg.generation, cfg.generation.do_sample, device,
                                                      cfg.rollout.logprobs_from == "generate")
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
@@ -307,8 +303,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                                  cfg.generation.max_new_tokens, device)
                 # 6. statistics (one all-reduce), KL controller, logs, eval
                 metrics = _statistics(ro, adv, rstats, upd, times, inp, state, learner, models, step, cfg, run_dir)
-                if cfg.train.log_rollouts:
-                    log.rollouts(ro, adv.seq_advantages, step, dist.rank())
+                log.rollouts(ro, adv.seq_advantages, step, dist.rank())  # unless train.log_rollouts is off
                 if step in evals:
                     metrics |= run_eval(step)
                 state.iteration = step
@@ -362,6 +357,18 @@ def _reward_host(cfg: Config, inp: Inputs) -> Iterator[RewardStep]:
         yield step
     finally:
         step.close()
+
+
+def _next_shard(plan: BatchPlan, state: TrainState) -> Shard:
+    """This rank's part of the next iteration: ``num_rollouts / G`` prompts drawn from the shared
+    sampler (the same on every rank), each repeated G times in a row (group g = samples g*G..g*G+G-1)."""
+    return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(state.sampler.next(plan.prompts_per_iteration)))
+
+
+def _evaluate(models: LoadedModels, reward_step: RewardStep, inp: Inputs, cfg: Config, device: torch.device,
+              log: RunLog, step: int) -> dict[str, float]:
+    return log.eval(step, *evaluate(models, reward_step, inp.eval_set, inp.metric_fn, cfg.generation,
+                                    cfg.eval.do_sample, cfg.rollout.chunk_size, device))
 
 
 def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str, float], times: dict[str, float],
