@@ -16,12 +16,15 @@ from tests.helpers.runs import base_config
 pytestmark = pytest.mark.smoke
 
 
-def _grpo(model, run_dir, **sections):
+def _grpo(model_path, run_dir, **sections):
     kw = {"rollout": {"num_rollouts": 8, "chunk_size": 3, "samples_per_prompt": 4},
           "ppo": {"estimator": "grpo", "init_kl_coef": 0.0}}
     for k, v in sections.items():
         kw[k] = {**kw.get(k, {}), **v}
-    return base_config(model, run_dir, **kw)
+    model = kw.pop("model", {})
+    cfg = base_config(model_path, run_dir, **kw)
+    cfg["model"].update(model)
+    return cfg
 
 
 def _weights(path):
@@ -109,3 +112,35 @@ def test_bad_group_settings_fail_before_any_work(tiny_model, tmp_path):
     with pytest.raises(rallyrl.ConfigError, match="rollout.samples_per_prompt"):
         rallyrl.train(_grpo(tiny_model, tmp_path / "x", rollout={"num_rollouts": 10}))
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model_cfg", [{"reference": "shared", "num_layers_unfrozen": 1},
+                                       {"reference": "lora", "lora": {"r": 4}}], ids=["shared", "lora"])
+def test_beta_zero_keeps_what_trains_but_builds_no_reference(tiny_model, tmp_path, model_cfg):
+    """`shared` still trains only the top block, `lora` only the adapter; neither builds its reference,
+    and logprobs_from=generate works without a value head."""
+    from rallyrl.config import load_config
+    from rallyrl.models import load_models
+
+    cfg = load_config(_grpo(tiny_model, tmp_path / "r", model=model_cfg))
+    m = load_models(cfg.model, seed=0, value_head=False, reference=False)
+    assert m.reference is None and m.policy.v_head is None
+    trainable = [n for n, p in m.policy.named_parameters() if p.requires_grad]
+    frozen = [n for n, p in m.policy.named_parameters() if not p.requires_grad]
+    assert trainable and frozen  # the same split as with a reference
+    if model_cfg["reference"] == "lora":
+        assert all("lora_" in n for n in trainable)
+    rallyrl.train(_grpo(tiny_model, tmp_path / "run", model=model_cfg, rollout={"logprobs_from": "generate"}))
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 2
+
+
+def test_seq2seq_grpo(tmp_path):
+    from rallyrl.testing import build_tiny_t5
+
+    t5 = build_tiny_t5(tmp_path / "t5")
+    run = tmp_path / "run"
+    rallyrl.train(_grpo(t5, run, model={"arch": "seq2seq"}, ppo={"init_kl_coef": 0.05, "kl_in": "loss",
+                                                               "kl_estimator": "k3"}))
+    m = read_jsonl(run / "metrics.jsonl")
+    assert m[0]["policy/kl"] == 0.0 and not [k for k in m[-1] if k.startswith("value/")]
+    assert not [k for k in _weights(run) if "v_head" in k]
