@@ -94,3 +94,23 @@ def test_rloo_resume_after_sigkill_is_bit_identical(tiny_model, tmp_path):
     changed = write_config(tmp_path / "f.yaml", _rloo(tiny_model, tmp_path / "E", samples_per_prompt=6))
     proc = rallyrl_train(changed, 2, "--set", "train.resume=latest", "--set", "train.iterations=5")
     assert proc.returncode != 0 and "rollout.samples_per_prompt: 4 -> 6" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_grpo_under_fsdp_trains_like_ddp(tiny_model, tmp_path):
+    """FSDP2 with no value head and a sharded reference (KL in the loss): the same samples, advantages
+    and update as ddp within float tolerance."""
+    runs = {}
+    for sharding in ("ddp", "fsdp"):
+        cfg = _cfg(tiny_model, tmp_path / sharding, {"fn": "tests.helpers.rewards:hashed"},
+                   {"estimator": "grpo", "init_kl_coef": 0.05, "kl_in": "loss", "kl_estimator": "k3"})
+        cfg["model"]["sharding"] = sharding
+        proc = rallyrl_train(write_config(tmp_path / f"{sharding}.yaml", cfg), 2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[sharding] = tmp_path / sharding
+    ra, rb = (read_jsonl(runs[s] / "rollouts.jsonl") for s in ("ddp", "fsdp"))
+    assert [(r["index"], r["output"]) for r in ra] == [(r["index"], r["output"]) for r in rb]
+    assert [r["advantage"] for r in rb] == pytest.approx([r["advantage"] for r in ra], rel=1e-4, abs=1e-5)
+    for a, b in zip(*(read_jsonl(runs[s] / "metrics.jsonl") for s in ("ddp", "fsdp"))):
+        for k in ("policy/loss", "policy/kl_loss", "policy/grad_norm", "policy/kl", "reward/group_std"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (k, a[k], b[k])
+        assert 0.4 < b["memory/params_bytes"] / a["memory/params_bytes"] < 0.6
