@@ -147,8 +147,9 @@ def render_prompts(records: list[dict[str, Any]], tokenizer: Any, what: str, tok
     """Conversational prompts rendered with the tokenizer's chat template, as TRL and vLLM do
     (``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``): the record's
     ``prompt`` becomes the rendered text (what generation continues, what the reward function sees as
-    ``prompts[i]`` and what ``rollouts.jsonl`` shows) and ``prompt_messages`` keeps the messages. String
-    prompts are returned as they are (the same objects). Also returns which records were conversations."""
+    ``prompts[i]`` and what ``rollouts.jsonl`` shows) and ``prompt_messages`` keeps the messages (None
+    for a string prompt among them). A set of string prompts only is returned as it is (the same list).
+    Also returns which records were conversations."""
     chat = [isinstance(r["prompt"], list) for r in records]
     if not any(chat):
         return records, chat
@@ -161,7 +162,12 @@ def render_prompts(records: list[dict[str, Any]], tokenizer: Any, what: str, tok
     out = []
     for i, (r, is_chat) in enumerate(zip(records, chat)):
         if not is_chat:
-            out.append(r)
+            # In a set that holds conversations every record has the column (None for a plain prompt),
+            # so the reward kwarg is there in every call, whatever prompts a chunk happens to hold.
+            if MESSAGES_KEY in r:
+                raise DataError(f"{what}: prompt {i} has a '{MESSAGES_KEY}' column, a name rallyrl uses for the "
+                                f"messages of conversational prompts (this set has some); rename the column")
+            out.append({**r, MESSAGES_KEY: None})
             continue
         try:
             text = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)

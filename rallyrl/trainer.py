@@ -227,7 +227,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
 
     def run_eval(step: int) -> dict[str, float]:
         return log.eval(step, *evaluate(models, reward_step, inp.eval_set, inp.metric_fn, cfg.generation,
-                                        cfg.eval.do_sample, cfg.rollout.chunk_size, device))
+                                        cfg.eval.do_sample, cfg.rollout.chunk_size, device, cfg.eval.samples_per_prompt))
 
     try:
         reward_step.open()  # `reward.server: local`: rank 0 waits for its server to answer (a collective)

@@ -57,7 +57,7 @@ def test_rendering_and_tokenizing(tok):
     assert chat == [True, False]
     text = "<|system|>be brief\n<|user|>the cat\n<|assistant|>"
     assert out[0] == {"prompt": text, "answer": 4, "prompt_messages": CHAT}
-    assert out[1] is records[1]  # a plain prompt is untouched (the same object)
+    assert out[1] == {"prompt": "the cat", "answer": 5, "prompt_messages": None}  # the column is in every record
     ids = tokenize_prompts(out, tok, 128, 4, "data.prompts", chat)
     assert ids[0] == tok(text, add_special_tokens=False)["input_ids"]
     assert ids[1] == tok("the cat", add_special_tokens=True)["input_ids"]
@@ -68,6 +68,11 @@ def test_rendering_and_tokenizing(tok):
 
     kw = call_kwargs(Samples(ps.texts([1, 0]), ["a", "b"], [[1], [2]], ps.metadata([1, 0])), tok)
     assert kw["prompt_messages"] == [None, CHAT] and kw["answer"] == [5, 4]
+
+
+def test_a_user_column_named_prompt_messages_beside_conversations_is_an_error(tok):
+    with pytest.raises(DataError, match=r"data.prompts: prompt 0 has a 'prompt_messages' column"):
+        render_prompts(load_prompts([{"prompt": "x", "prompt_messages": 1}, CHAT]), tok, "data.prompts")
 
 
 def test_plain_prompts_are_unchanged(tok):
