@@ -114,7 +114,9 @@ class DataConfig:
     prompts: str | list[Any] | None = _f(
         None,
         "Training prompts: a `.jsonl` of `{\"prompt\": str, ...metadata}`, a `.txt` with one prompt per "
-        "line, or an inline list (of strings or such dicts). `rallyrl.train(prompts=...)` overrides it.",
+        "line, or an inline list (of strings or such dicts). A prompt may also be a conversation, a list of "
+        "`{\"role\", \"content\"}` messages, rendered with the tokenizer's chat template (docs/reward.md). "
+        "`rallyrl.train(prompts=...)` overrides it.",
     )
     eval_prompts: str | list[Any] | None = _f(
         None, "Evaluation prompts, same forms as `data.prompts`; unset = no evaluation."
