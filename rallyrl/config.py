@@ -114,7 +114,9 @@ class DataConfig:
     prompts: str | list[Any] | None = _f(
         None,
         "Training prompts: a `.jsonl` of `{\"prompt\": str, ...metadata}`, a `.txt` with one prompt per "
-        "line, or an inline list (of strings or such dicts). `rallyrl.train(prompts=...)` overrides it.",
+        "line, or an inline list (of strings or such dicts). A prompt may also be a conversation, a list of "
+        "`{\"role\", \"content\"}` messages, rendered with the tokenizer's chat template (docs/reward.md). "
+        "`rallyrl.train(prompts=...)` overrides it.",
     )
     eval_prompts: str | list[Any] | None = _f(
         None, "Evaluation prompts, same forms as `data.prompts`; unset = no evaluation."
@@ -337,6 +339,12 @@ class EvalConfig:
     )
     do_sample: bool = _f(
         False, "Sample during evaluation with the `generation` settings (False = greedy, deterministic)."
+    )
+    samples_per_prompt: int = _f(
+        1,
+        "Completions sampled per eval prompt (k). With k > 1 (which needs `eval.do_sample: true`) every "
+        "`metric_fn` metric whose values all lie in [0, 1] is also logged as `eval/<name>@<k>` (mean over "
+        "all samples) and `eval/<name>_pass@<k>` (unbiased pass@k, a value of exactly 1 being a pass).",
     )
     metric_fn: str | None = _f(
         None,
@@ -581,6 +589,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("generation.stop_sequences must not contain an empty string")
     positive("train.iterations", cfg.train.iterations, allow_zero=True)
     positive("eval.interval", cfg.eval.interval, allow_zero=True)
+    positive("eval.samples_per_prompt", cfg.eval.samples_per_prompt)
+    if cfg.eval.samples_per_prompt > 1 and not cfg.eval.do_sample:
+        raise ConfigError(f"eval.samples_per_prompt={cfg.eval.samples_per_prompt} needs eval.do_sample: true "
+                          f"(greedy decoding would give the same completion {cfg.eval.samples_per_prompt} times)")
     positive("train.num_threads", cfg.train.num_threads, allow_zero=True)
     positive("ppo.epochs", cfg.ppo.epochs)
     positive("ppo.num_minibatches", cfg.ppo.num_minibatches)

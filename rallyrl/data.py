@@ -1,7 +1,9 @@
 """Prompt loading and the shared prompt order.
 
-A prompt record is a dict with a ``"prompt"`` string and any number of metadata columns; the metadata
-reaches the reward function as per-sample lists aligned with the samples.
+A prompt record is a dict with a ``"prompt"`` and any number of metadata columns; the metadata reaches
+the reward function as per-sample lists aligned with the samples. The prompt is a string, or a
+conversation: a list of chat messages (``[{"role": "user", "content": ...}, ...]``), which
+``rallyrl.inputs`` renders with the tokenizer's chat template (it needs the tokenizer, loading does not).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ class DataError(ValueError):
 
 
 def load_prompts(source: str | Path | list[Any], what: str = "data.prompts") -> list[dict[str, Any]]:
-    """Load prompts from a ``.jsonl`` / ``.txt`` path or an inline list (strings or dicts)."""
+    """Load prompts from a ``.jsonl`` / ``.txt`` path or an inline list (strings, conversations or
+    dicts). Conversations are checked (``check_messages``) but not rendered here."""
     if isinstance(source, (str, Path)):
         path = Path(source)
         if not path.is_file():
@@ -49,14 +52,45 @@ def load_prompts(source: str | Path | list[Any], what: str = "data.prompts") -> 
     return records
 
 
+# The reward/metric keyword argument that carries a conversational prompt's original messages (the
+# rendered text is the prompt itself); a record with a conversation may not use it as a column.
+MESSAGES_KEY = "prompt_messages"
+
+
 def _record(rec: Any, where: str, what: str) -> dict[str, Any]:
     if isinstance(rec, str):
         return {"prompt": rec}
+    if isinstance(rec, list):  # a bare conversation
+        return {"prompt": check_messages(rec, where, what)}
     if isinstance(rec, dict):
-        if not isinstance(rec.get("prompt"), str):
-            raise DataError(f"{what}: {where} has no string 'prompt' field")
+        prompt = rec.get("prompt")
+        if isinstance(prompt, list):
+            check_messages(prompt, where, what)
+            if MESSAGES_KEY in rec:
+                raise DataError(f"{what}: {where} has a '{MESSAGES_KEY}' column, a name rallyrl uses for the "
+                                f"messages of a conversational prompt; rename the column")
+        elif not isinstance(prompt, str):
+            raise DataError(f"{what}: {where} has no 'prompt' field that is a string or a list of chat messages")
         return dict(rec)
-    raise DataError(f"{what}: {where} must be a string or an object with a 'prompt', got {type(rec).__name__}")
+    raise DataError(f"{what}: {where} must be a string, a list of chat messages or an object with a 'prompt', "
+                    f"got {type(rec).__name__}")
+
+
+def check_messages(messages: list[Any], where: str, what: str) -> list[dict[str, Any]]:
+    """A conversation must be a non-empty list of ``{"role": str, "content": str | list, ...}`` dicts
+    (further keys, e.g. ``name``, are passed to the chat template as they are)."""
+    if not messages:
+        raise DataError(f"{what}: {where}: the list of chat messages is empty")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DataError(f"{what}: {where}: chat message {j} must be an object with 'role' and 'content', "
+                            f"got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise DataError(f"{what}: {where}: chat message {j} has no string 'role'")
+        if not isinstance(m.get("content"), (str, list)):
+            raise DataError(f"{what}: {where}: chat message {j} has no 'content' (a string, or a list of "
+                            f"content parts)")
+    return messages
 
 
 class PromptSampler:

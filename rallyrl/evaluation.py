@@ -1,10 +1,16 @@
 """Evaluation: the same generation and central reward step as training, plus ``metric_fn`` on the main
 rank. It needs samples and rewards only (no policy or reference scoring pass), and it runs inside
-``isolated_rng()`` so evaluating never moves the training sampling streams."""
+``isolated_rng()`` so evaluating never moves the training sampling streams.
+
+With ``eval.samples_per_prompt: k`` every eval prompt is sampled k times: the k·n samples are split over
+the ranks like any others (so the k samples of one prompt may sit on different ranks), gathered on the
+main rank with their prompt index, and the ``@k`` / ``pass@k`` metrics are computed there by prompt
+index (``at_k_metrics``), never from positions in a rank-ordered list."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,18 +25,48 @@ from .rollout import Shard, generate
 from .seeding import isolated_rng
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on
+    Code", eq. 1): the probability that at least one of k samples, drawn without replacement from n
+    samples of which c pass, passes: ``1 - C(n - c, k) / C(n, k)``. Computed as their numerically stable
+    product ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)`` (no large binomials)."""
+    if not (1 <= k <= n and 0 <= c <= n):
+        raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every draw of k contains a pass
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def at_k_metrics(name: str, values: Sequence[float], prompt_ids: Sequence[int], k: int) -> dict[str, float]:
+    """``eval/<name>@<k>`` (mean over all samples) and ``eval/<name>_pass@<k>`` (``pass_at_k`` per prompt,
+    a value of exactly 1 being a pass, averaged over prompts) for a metric whose values all lie in
+    [0, 1]; {} for any other metric. Samples are grouped by prompt id, in any order."""
+    if not values or not all(0.0 <= v <= 1.0 for v in values):  # NaN fails the test too
+        return {}
+    groups: dict[int, list[float]] = {}
+    for pid, v in zip(prompt_ids, values, strict=True):
+        groups.setdefault(pid, []).append(v)
+    passes = [pass_at_k(len(g), sum(v == 1.0 for v in g), k) for g in groups.values()]
+    return {f"eval/{name}@{k}": sum(values) / len(values), f"eval/{name}_pass@{k}": sum(passes) / len(passes)}
+
+
 @dist.stage("evaluation")
 def evaluate(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, metric_fn: MetricFn | None,
-             gen: GenerationConfig, do_sample: bool, chunk_size: int, device: torch.device
-             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Every eval prompt once, split over the ranks; returns the ``eval/*`` metrics (on every rank) and
-    the samples with their rewards and metric values (main rank; [] elsewhere)."""
-    shard = Shard.even(len(prompts), dist.world_size(), dist.rank(), chunk_size)
+             gen: GenerationConfig, do_sample: bool, chunk_size: int, device: torch.device,
+             samples_per_prompt: int = 1) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Every eval prompt ``samples_per_prompt`` times, split over the ranks; returns the ``eval/*``
+    metrics (on every rank) and the samples with their rewards and metric values (main rank; []
+    elsewhere)."""
+    k = samples_per_prompt
+    shard = Shard.even(len(prompts) * k, dist.world_size(), dist.rank(), chunk_size)
     t0 = time.perf_counter()
     # Evaluation must not move the training sampling stream (same guarantee as the reward step). It
     # needs only samples and rewards: no policy/reference scoring pass.
     with isolated_rng():
-        samples = _eval_samples(models, reward_step, prompts, shard, gen, do_sample, device)
+        samples = _eval_samples(models, reward_step, prompts, shard, gen, do_sample, device, k)
 
     def score() -> dict[str, float]:
         metrics = {"eval/reward_mean": sum(s["reward"] for s in samples) / max(1, len(samples))}
@@ -48,6 +84,11 @@ def evaluate(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, 
             metrics[f"eval/{name}"] = sum(float(v) for v in vals) / max(1, len(vals))
             for s, v in zip(samples, vals):
                 s[name] = float(v)
+            if k > 1:
+                if len(vals) != len(samples):
+                    raise ValueError(f"metric_fn returned {len(vals)} values for {name!r}, one per sample "
+                                     f"expected ({len(samples)})")
+                metrics |= at_k_metrics(name, [float(v) for v in vals], [s["index"] for s in samples], k)
         return metrics
 
     metrics = dist.agree(score, MetricError, main_only=True)
@@ -56,15 +97,18 @@ def evaluate(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, 
 
 
 def _eval_samples(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, shard: Shard,
-                  gen: GenerationConfig, do_sample: bool, device: torch.device) -> list[dict[str, Any]]:
-    """Every eval sample with its reward, gathered on the main rank ([] elsewhere)."""
+                  gen: GenerationConfig, do_sample: bool, device: torch.device, k: int = 1) -> list[dict[str, Any]]:
+    """Every eval sample with its reward, gathered on the main rank ([] elsewhere). Eval sample ``j`` is
+    sample ``j % k`` of prompt ``j // k``; with k > 1 its record carries ``sample`` (that member index)."""
     local: list[dict[str, Any]] = []
     for r in range(shard.rounds):
-        mine = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]
+        items = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]
+        mine = [j // k for j in items]  # prompt indices (k = 1: the items themselves)
         g = generate(models.policy, models.tokenizer, prompts.token_ids(mine), gen, do_sample, device)
         texts, metadata = prompts.texts(mine), prompts.metadata(mine)
         rewards, _ = reward_step(Samples(texts, g.outputs, g.response_lists, metadata))
         local += [{"index": i, "prompt": p, "output": o, "reward": rw.total, "output_token_ids": t, "metadata": md}
-                  for i, p, o, rw, t, md in zip(mine, texts, g.outputs, rewards, g.response_lists, metadata)]
+                  | ({"sample": j % k} if k > 1 else {})
+                  for j, i, p, o, rw, t, md in zip(items, mine, texts, g.outputs, rewards, g.response_lists, metadata)]
     gathered = dist.gather_objects(local, dst=0)
     return [s for part in gathered or [] for s in part]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import BatchPlan, Config, ConfigError, make_batch_plan
-from .data import load_prompts
+from .data import MESSAGES_KEY, DataError, load_prompts
 from .models import ModelLoadError, check_model_folder, load_tokenizer, max_positions
 from .reward.loading import load_callable, resolve_reward_fns
 from .reward.step import NamedRewardFn
@@ -24,7 +24,9 @@ MetricFn = Callable[..., dict[str, Sequence[float]]]
 
 @dataclass(frozen=True)
 class PromptSet:
-    """Prompt records ({"prompt": str, ...metadata}) with their token ids, read by global index."""
+    """Prompt records ({"prompt": str, ...metadata}) with their token ids, read by global index. A
+    conversational prompt is already rendered here: ``prompt`` is the chat template's text and the
+    ``prompt_messages`` column holds the original messages (``render_prompts``)."""
 
     records: list[dict[str, Any]]
     query_ids: list[list[int]]
@@ -45,7 +47,7 @@ class PromptSet:
 
 @dataclass
 class Inputs:
-    records: list[dict[str, Any]]  # training prompt records ({"prompt": str, ...metadata})
+    records: list[dict[str, Any]]  # training prompt records ({"prompt": str, ...metadata}), rendered
     eval_records: list[dict[str, Any]]  # evaluation records ([] = no evaluation)
     query_ids: list[list[int]]  # tokenized training prompts, aligned with records
     eval_query_ids: list[list[int]]
@@ -84,6 +86,7 @@ def prepare_inputs(
     eval_src, eval_what = ((eval_prompts, "eval_prompts") if eval_prompts is not None
                            else (cfg.data.eval_prompts, "data.eval_prompts"))
     eval_records = load_prompts(eval_src, eval_what) if eval_src is not None else []
+    train_what = "prompts" if prompts is not None else "data.prompts"
     reward_fns = resolve_reward_fns(cfg.reward, reward_fn)
     if cfg.reward.overlap and cfg.reward.server != "local":
         from .reward.client import RemoteReward
@@ -103,11 +106,13 @@ def prepare_inputs(
 
     max_pos = max_positions(AutoConfig.from_pretrained(cfg.model.path))
     n_new = cfg.generation.max_new_tokens
+    records, chat = render_prompts(records, tokenizer, train_what, _tokenizer_key(cfg))
+    eval_records, eval_chat = render_prompts(eval_records, tokenizer, eval_what, _tokenizer_key(cfg))
     return Inputs(
         records=records,
         eval_records=eval_records,
-        query_ids=tokenize_prompts(records, tokenizer, max_pos, n_new, "data.prompts"),
-        eval_query_ids=tokenize_prompts(eval_records, tokenizer, max_pos, n_new, "data.eval_prompts"),
+        query_ids=tokenize_prompts(records, tokenizer, max_pos, n_new, "data.prompts", chat),
+        eval_query_ids=tokenize_prompts(eval_records, tokenizer, max_pos, n_new, "data.eval_prompts", eval_chat),
         reward_fns=reward_fns,
         metric_fn=metric_fn,
         tokenizer=tokenizer,
@@ -132,9 +137,58 @@ def prepare_model_folder(spec: str, path: str) -> None:
         raise ModelLoadError(f"model.prepare: {spec}({path!r}) failed: {type(e).__name__}: {e}") from e
 
 
+def _tokenizer_key(cfg: Config) -> str:
+    return f"model.tokenizer_path ({cfg.model.tokenizer_path})" if cfg.model.tokenizer_path else \
+        f"model.path ({cfg.model.path})"
+
+
+def render_prompts(records: list[dict[str, Any]], tokenizer: Any, what: str, tokenizer_key: str = "the tokenizer"
+                   ) -> tuple[list[dict[str, Any]], list[bool]]:
+    """Conversational prompts rendered with the tokenizer's chat template, as TRL and vLLM do
+    (``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``): the record's
+    ``prompt`` becomes the rendered text (what generation continues, what the reward function sees as
+    ``prompts[i]`` and what ``rollouts.jsonl`` shows) and ``prompt_messages`` keeps the messages (None
+    for a string prompt among them). A set of string prompts only is returned as it is (the same list).
+    Also returns which records were conversations."""
+    chat = [isinstance(r["prompt"], list) for r in records]
+    if not any(chat):
+        return records, chat
+    first = chat.index(True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{what}: prompt {first} is a list of chat messages, but the tokenizer of {tokenizer_key} "
+                        f"has no chat template to render it with; use a tokenizer that has one (set "
+                        f"model.tokenizer_path, or set tokenizer.chat_template and save_pretrained it), or "
+                        f"write the prompts as plain strings")
+    out = []
+    for i, (r, is_chat) in enumerate(zip(records, chat)):
+        if not is_chat:
+            # In a set that holds conversations every record has the column (None for a plain prompt),
+            # so the reward kwarg is there in every call, whatever prompts a chunk happens to hold.
+            if MESSAGES_KEY in r:
+                raise DataError(f"{what}: prompt {i} has a '{MESSAGES_KEY}' column, a name rallyrl uses for the "
+                                f"messages of conversational prompts (this set has some); rename the column")
+            out.append({**r, MESSAGES_KEY: None})
+            continue
+        try:
+            text = tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template that raises on these messages (e.g. "roles must alternate")
+            raise DataError(f"{what}: prompt {i}: the chat template of {tokenizer_key} failed on its messages: "
+                            f"{type(e).__name__}: {e}") from None
+        if not isinstance(text, str):
+            raise DataError(f"{what}: prompt {i}: the chat template rendered {type(text).__name__}, not text")
+        meta = {k: v for k, v in r.items() if k != "prompt"}
+        out.append({"prompt": text, **meta, MESSAGES_KEY: r["prompt"]})
+    return out, chat
+
+
 def tokenize_prompts(records: list[dict[str, Any]], tokenizer: Any, max_positions: int | None,
-                     max_new_tokens: int, what: str) -> list[list[int]]:
-    ids = [tokenizer(r["prompt"], add_special_tokens=True)["input_ids"] for r in records]
+                     max_new_tokens: int, what: str, rendered: Sequence[bool] = ()) -> list[list[int]]:
+    """Token ids of each (rendered) prompt. A plain prompt gets the tokenizer's special tokens (BOS, ...);
+    a prompt rendered from a chat template (``rendered[i]``) does not: the template already wrote the
+    ones it wants, and adding them again would give, e.g., two BOS tokens (TRL tokenizes rendered
+    conversations with ``add_special_tokens=False`` for the same reason)."""
+    chat = list(rendered) or [False] * len(records)
+    ids = [tokenizer(r["prompt"], add_special_tokens=not c)["input_ids"] for r, c in zip(records, chat)]
     for i, q in enumerate(ids):
         if not q:
             raise ConfigError(f"{what}: prompt {i} tokenizes to nothing ({records[i]['prompt']!r})")

@@ -368,7 +368,7 @@ def _next_shard(plan: BatchPlan, state: TrainState) -> Shard:
 def _evaluate(models: LoadedModels, reward_step: RewardStep, inp: Inputs, cfg: Config, device: torch.device,
               log: RunLog, step: int) -> dict[str, float]:
     return log.eval(step, *evaluate(models, reward_step, inp.eval_set, inp.metric_fn, cfg.generation,
-                                    cfg.eval.do_sample, cfg.rollout.chunk_size, device))
+                                    cfg.eval.do_sample, cfg.rollout.chunk_size, device, cfg.eval.samples_per_prompt))
 
 
 def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str, float], times: dict[str, float],

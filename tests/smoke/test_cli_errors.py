@@ -307,3 +307,22 @@ def test_reward_factory_that_fails(capsys, write_cfg, run_dir):
     path = write_cfg(reward={"fn": "tests.helpers.rewards:hashed", "kwargs": {"scale": 2}})
     assert_user_error(*cli(capsys, "train", str(path)), "reward.fn", "tests.helpers.rewards:hashed", "kwargs")
     assert not run_dir.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# conversational prompts and eval with k samples
+
+
+def test_conversational_prompt_without_chat_template(train_fails):
+    chat = [{"role": "user", "content": "the cat"}]
+    train_fails("data.eval_prompts", "prompt 1 is a list of chat messages", "has no chat template",
+                data={"eval_prompts": ["a dog", chat]})
+
+
+def test_malformed_chat_messages(train_fails):
+    train_fails("data.prompts", "item 1: chat message 0 has no string 'role'",
+                data={"prompts": ["the cat", {"prompt": [{"content": "a dog"}]}]})
+
+
+def test_eval_samples_per_prompt_needs_sampling(train_fails):
+    train_fails("eval.samples_per_prompt=4 needs eval.do_sample: true", eval={"samples_per_prompt": 4})
