@@ -106,6 +106,13 @@ class ModelConfig:
         "and once per call for generation and rollout scoring; checkpoints are sharded with "
         "PyTorch's distributed checkpointing, DCP). `fsdp` needs `model.reference: copy`. See docs/scaling.md.",
     )
+    gradient_checkpointing: bool = _f(
+        False,
+        "Activation (gradient) checkpointing of the policy's transformer blocks: each block's activations are "
+        "recomputed in the backward pass instead of kept, so the update's memory grows with one block's "
+        "activations instead of all of them, for one more block forward per micro-batch. The same gradients "
+        "(tested); generation and scoring (no gradients) are not affected. See docs/scaling.md.",
+    )
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "`model.reference: lora` settings (below)."})
 
 

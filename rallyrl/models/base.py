@@ -68,6 +68,37 @@ def frozen_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module).eval().requires_grad_(False)
 
 
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of the Hugging Face models inside ``module`` (the classes their models
+    declare in ``_no_split_modules``), in module order."""
+    names = {n for m in module.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+    return [m for m in module.modules() if type(m).__name__ in names]
+
+
+def checkpoint_activations(lm: nn.Module) -> int:
+    """Activation checkpointing of every transformer block of ``lm``; returns how many were wrapped.
+
+    Why not transformers' ``gradient_checkpointing_enable``: it only acts in train mode, and rallyrl runs
+    the policy in eval mode (dropout off, so rollout and update log-probs agree). Each block's forward
+    is wrapped in ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved) whenever gradients
+    are on, so only the block inputs are kept and the rest is recomputed in backward: the same values,
+    so the same gradients. Without gradients (generation, scoring, the reference) the block runs as
+    before. Apply it after any copy of ``lm`` is made (a deep copy would keep calling these wrappers).
+    Under FSDP2 each wrapped block is then sharded as a unit, so its recomputation runs on the gathered
+    weights (``fully_shard`` unshards a unit before its backward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = transformer_blocks(lm)
+    for block in blocks:
+        def forward(*args: Any, _run: Any = block.forward, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _run(*args, **kwargs)
+            return checkpoint(_run, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+    return len(blocks)
+
+
 def make_value_head(hidden: int, kind: str, std: float, seed: int, dtype: torch.dtype) -> nn.Module:
     """Scalar value head on a hidden state, initialised from the shared seed: identical on every rank
     and independent of the global RNG. ``linear`` as TRL; ``mlp`` is trlx's Linear(H, 2H) -> ReLU ->

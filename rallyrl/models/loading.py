@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, ModelConfig
-from .base import Reference
+from .base import Reference, checkpoint_activations
 from .causal import CausalPolicy, CopyReference
 from .reference import save_lora, setup_lora, setup_shared
 from .seq2seq import Seq2SeqCopyReference, Seq2SeqPolicy
@@ -136,6 +136,7 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
     head = cfg.value_head if value_head else None
     if cfg.arch == "seq2seq":
         ref = Seq2SeqCopyReference(lm) if reference else None
+        _checkpointing(lm, cfg)
         policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, head).eval()
         return LoadedModels(policy=policy, reference=ref, tokenizer=tok)
     save = None
@@ -148,5 +149,12 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
         save = functools.partial(save_lora, merge=cfg.lora.merge_on_save)
     else:
         ref = CopyReference(lm) if reference else None
+    _checkpointing(lm, cfg)  # after the references copied what they need
     policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save).eval()
     return LoadedModels(policy=policy, reference=ref, tokenizer=tok)
+
+
+def _checkpointing(lm: Any, cfg: ModelConfig) -> None:
+    if cfg.gradient_checkpointing and not checkpoint_activations(lm):
+        raise ConfigError(f"model.gradient_checkpointing: no transformer blocks found in {type(lm).__name__} "
+                          f"(its model declares no `_no_split_modules`); set it to false")
