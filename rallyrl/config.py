@@ -141,6 +141,13 @@ class TrainConfig:
     progress: bool = _f(True, "Show a progress bar on the main rank.")
     save_final: bool = _f(True, "Save the final policy (no value head) and tokenizer to `run_dir/final/`.")
     num_threads: int = _f(0, "torch intra-op threads per process (0 = cores / local processes).")
+    mixed_precision: Literal["no", "bf16", "fp16"] = _f(
+        "no",
+        "Compute dtype of the forward and backward passes, generation and the reference pass: `no` (the stored "
+        "dtype, `model.dtype`) or `bf16` (bfloat16 compute over float32 weights, gradient reduction and "
+        "optimizer state: autocast under ddp, FSDP2's MixedPrecisionPolicy under fsdp; log-probs, KL, "
+        "advantages and losses stay float32). `fp16` is refused (it needs a loss scaler). See docs/scaling.md.",
+    )
     overwrite: bool = _f(
         False, "Start a fresh run in a `run_dir` that holds an earlier run, deleting its outputs."
     )
@@ -615,6 +622,10 @@ def validate(cfg: Config) -> None:
     positive("ppo.reward_clip", cfg.ppo.reward_clip)
     positive("ppo.max_nonfinite_skips", cfg.ppo.max_nonfinite_skips, allow_zero=True)
     _check_estimator(cfg)
+    if cfg.train.mixed_precision == "fp16":
+        raise ConfigError("train.mixed_precision=fp16 is not supported: float16 training needs a dynamic loss "
+                          "scaler, which rallyrl does not implement (it could not be tested here: CPU autocast "
+                          "has no float16 and no GPU was lent). Use bf16, which needs no scaler")
     for key in ("gamma", "lam"):
         v = getattr(cfg.ppo, key)
         if not 0 <= v <= 1:

@@ -113,19 +113,22 @@ def is_main() -> bool:
 
 _accelerator: Any = None
 _sharding = "ddp"  # model.sharding, set once by init_accelerator
+_compute_dtype: torch.dtype | None = None  # train.mixed_precision: bf16 -> torch.bfloat16; no -> None
 
 
-def init_accelerator(timeout_s: float, sharding: str = "ddp") -> torch.device:
+def init_accelerator(timeout_s: float, sharding: str = "ddp", mixed_precision: str = "no") -> torch.device:
     """Create the ``accelerate.Accelerator`` (and so the process group, when launched with several ranks);
     returns this rank's device.
 
     Without a GPU ``Accelerator()`` would silently report world size 1 under torchrun, so ``cpu=True`` is
     passed there: the ranks then form a gloo group. With GPUs the backend is NCCL. ``timeout_s`` bounds
     how long a rank waits in a collective for a dead or stuck peer. ``sharding`` (``model.sharding``)
-    chooses how ``shard`` / ``prepare`` and the gradient helpers below treat the trained model.
+    chooses how ``shard`` / ``prepare`` and the gradient helpers below treat the trained model;
+    ``mixed_precision`` (``train.mixed_precision``) the compute dtype ``shard`` gives the models.
     """
-    global _accelerator, _timeout_s, _sharding
+    global _accelerator, _timeout_s, _sharding, _compute_dtype
     _timeout_s, _sharding = timeout_s, sharding
+    _compute_dtype = torch.bfloat16 if mixed_precision == "bf16" else None
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -148,10 +151,31 @@ def is_sharded() -> bool:
 def shard(model: torch.nn.Module, forward_methods: Sequence[str] = ()) -> torch.nn.Module:
     """FSDP: shard ``model`` in place (each transformer block, then the root; ``forward_methods`` run the
     model like ``forward``, e.g. ``generate``). DDP: unchanged. Called for the policy BEFORE its
-    optimizer is created (the optimizer must hold the shards) and for the frozen reference."""
-    if not is_sharded():
-        return model
-    return _fsdp_shard(model, forward_methods)
+    optimizer is created (the optimizer must hold the shards) and for the frozen reference.
+
+    This is also where the compute dtype is chosen (``train.mixed_precision: bf16``): the weights, their
+    gradients' reduction and the optimizer state stay in the stored dtype (``model.dtype``, float32 by
+    default), and ``forward`` and ``forward_methods`` compute in bfloat16: FSDP2 through its
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (each gathered unit is cast once),
+    otherwise through ``torch.autocast`` around each of those methods. Log-probs, ratios, KL,
+    advantages and losses are computed in float32 by ``ops`` either way."""
+    if is_sharded():
+        return _fsdp_shard(model, forward_methods, _compute_dtype)
+    if _compute_dtype is not None:
+        _autocast_methods(model, ("forward", *forward_methods), _compute_dtype)
+    return model
+
+
+def _autocast_methods(model: torch.nn.Module, methods: Sequence[str], dtype: torch.dtype) -> None:
+    """Run ``model``'s ``methods`` under ``torch.autocast(dtype)`` (instance attributes, so DDP's wrapper,
+    which calls ``model(...)``, runs them too)."""
+    device_type = next(model.parameters()).device.type
+    for name in methods:
+        def run(*args: Any, _fn: Callable[..., Any] = getattr(model, name), **kwargs: Any) -> Any:
+            with torch.autocast(device_type, dtype=dtype):
+                return _fn(*args, **kwargs)
+
+        setattr(model, name, run)
 
 
 def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, Any]:
@@ -379,13 +403,14 @@ def _block_classes(module: torch.nn.Module) -> set[str]:
     return names
 
 
-def _fsdp_shard(module: torch.nn.Module, forward_methods: Iterable[str] = ()) -> torch.nn.Module:
+def _fsdp_shard(module: torch.nn.Module, forward_methods: Iterable[str] = (),
+                compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Shard ``module`` in place with FSDP2: each transformer block, then the root. ``forward_methods``
     are methods other than ``forward`` that run the model (``generate``, ``logprobs``): FSDP2 hooks
     only ``forward``; registered methods get the root's pre/post-forward hooks too, so the first one
     called initialises FSDP from the root (a block running first would wrongly become a root)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     from .config import ConfigError  # inside: dist stays cheap to import (config pulls in yaml)
 
@@ -401,9 +426,11 @@ def _fsdp_shard(module: torch.nn.Module, forward_methods: Iterable[str] = ()) ->
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = next(module.parameters()).device
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
+    mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype is not None
+          else MixedPrecisionPolicy())
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
     for name in forward_methods:
         register_fsdp_forward_method(module, name)
     return module

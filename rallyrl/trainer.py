@@ -274,7 +274,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
-    device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding)
+    device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding, cfg.train.mixed_precision)
     # `reward.server: local`: rank 0 spawns its server now (it starts up while the models load); it
     # stops, and background reward threads end, however the block is left
     with _reward_host(cfg, inp) as reward_step:
