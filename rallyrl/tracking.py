@@ -1,4 +1,4 @@
-"""The run directory: its lifecycle (``RunDir``) and its writers (``RunWriter``).
+"""The run directory: its lifecycle (``RunDir``) and its writers (``RunWriter``, the ``Tracker`` objects).
 
 ``RunDir`` owns every decision about the folder: may a run start here, is it a resume, which checkpoint,
 what may be removed, what the logs keep after a resume. rallyrl records every file and folder it
@@ -9,6 +9,10 @@ rallyrl's output names is never replaced (the run refuses, naming it).
 Only the main rank writes (one writer per file, so lines never interleave). Files are opened in append
 mode and flushed per line, so a killed run keeps every completed iteration. ``metrics.jsonl`` is strict
 JSON: a non-finite value is written as ``null``.
+
+Metrics go to trackers behind one small protocol (``Tracker``: ``start(config)``, ``log(step, metrics)``,
+``close()``): ``metrics.jsonl`` is always one; ``train.report_to`` adds TensorBoard, W&B, MLflow or
+Trackio (``rallyrl.trackers``, each imported only when chosen).
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
 from . import dist
-from .config import Change, Config, ConfigError, TrainConfig, config_changes, format_changes
-from .errors import CheckpointError
+from . import trackers
+from .config import Change, Config, ConfigError, TrainConfig, config_changes, flat_config, format_changes
+from .errors import CheckpointError, TrackerError
 
 if TYPE_CHECKING:
     from .rollout import Rollouts
@@ -38,7 +43,7 @@ if TYPE_CHECKING:
 MANIFEST = "rallyrl-run.json"
 # Everything rallyrl may write at the top of a run directory; folders marked True hold only rallyrl's files.
 OUTPUTS = {"config.yaml": False, "config_history.jsonl": False, "metrics.jsonl": False, "rollouts.jsonl": False,
-           "eval": False, "checkpoints": True, "final": True, "tensorboard": True}
+           "eval": False, "checkpoints": True, "final": True, "tensorboard": True, trackers.STATE_FILE: False}
 
 
 class RunDirError(ConfigError):
@@ -115,6 +120,7 @@ class RunDir:
 
     def _check_start(self, cfg: Config, eval_steps: list[int]) -> None:
         train = cfg.train
+        trackers.check_installed(cfg)  # a missing tracker package names its extra before anything starts
         self.resuming = train.resume not in (None, "auto") or (train.resume == "auto" and self.newest_checkpoint() is not None)
         if self.resuming:
             self._check_config_change(cfg)
@@ -177,7 +183,9 @@ class RunDir:
         resume leaves ``config.yaml`` as first written and appends what changed, and at which iteration,
         to ``config_history.jsonl`` (a resume on another number of processes than ``was_world_size``, the
         checkpoint's, is recorded there too: from that iteration on the run is not bit-identical to an
-        uninterrupted one). Returns the writer there (None elsewhere). Every rank waits here."""
+        uninterrupted one). Then the trackers start (a failure there, e.g. a tracker server that cannot be
+        reached, stops every rank with a ``TrackerError``). Returns the writer there (None elsewhere).
+        Every rank waits here."""
         writer = None
         if dist.is_main():
             self.path.mkdir(parents=True, exist_ok=True)
@@ -205,8 +213,18 @@ class RunDir:
                         row["bit_identical"] = False
                     with open(self.claim("config_history.jsonl"), "a", encoding="utf-8") as f:
                         f.write(json.dumps(row) + "\n")
-            writer = RunWriter(self, cfg.train.tensorboard)
+            writer = RunWriter(self, cfg, resuming=resumed_from is not None)
         dist.barrier()
+
+        def start_trackers() -> None:
+            if writer is not None:
+                try:
+                    writer.start(cfg)
+                except BaseException:
+                    writer.close()
+                    raise
+
+        dist.agree(start_trackers, TrackerError, main_only=True, what="starting the trackers (train.report_to)")
         return writer
 
     def clear_own(self) -> None:
@@ -302,30 +320,66 @@ class RunDir:
         dist.agree(save, CheckpointError, main_only=True, what=f"saving {self.path / 'final'}")
 
 
+class Tracker(Protocol):
+    """Where the config and each iteration's metrics go (main rank only)."""
+
+    def start(self, config: dict[str, Any]) -> None:
+        """Begin (or, on a resume, continue) the run; ``config`` is flat: ``{"ppo.lr": 1e-05, ...}``."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One iteration's metrics (step 0: the evaluation before training)."""
+
+    def close(self) -> None: ...
+
+
+class MetricsFile:
+    """``metrics.jsonl``: one strict-JSON line per iteration (non-finite values as ``null``), flushed per
+    line. Always on; the other trackers come from ``train.report_to``."""
+
+    def __init__(self, path: Path) -> None:
+        self._f = open(path, "a", encoding="utf-8")
+
+    def start(self, config: dict[str, Any]) -> None:
+        pass  # the config is config.yaml
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        self._f.write(json.dumps(row, allow_nan=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
 class RunWriter:
-    def __init__(self, run_dir: RunDir, tensorboard: bool) -> None:
+    def __init__(self, run_dir: RunDir, cfg: Config, resuming: bool = False) -> None:
         self.run_dir = run_dir
-        self._metrics = open(run_dir.claim("metrics.jsonl"), "a", encoding="utf-8")
         self._rollouts = open(run_dir.claim("rollouts.jsonl"), "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # tensorboard is an optional dependency
-                raise RuntimeError(
-                    "train.tensorboard=true needs the tensorboard package: pip install 'rallyrl[tensorboard]'"
-                ) from e
-            self._tb = SummaryWriter(str(run_dir.claim("tensorboard", is_dir=True)))
+        state = trackers.TrackerState(run_dir.path / trackers.STATE_FILE, resuming, run_dir.claim)
+        self._metrics = MetricsFile(run_dir.claim("metrics.jsonl"))
+        self.trackers: list[Tracker] = [self._metrics]
+        self.trackers += trackers.create(trackers.chosen(cfg), cfg, state,
+                                         lambda: run_dir.claim("tensorboard", is_dir=True))
+        self._started: list[Tracker] = []
+
+    def start(self, cfg: Config) -> None:
+        """Start every tracker (a failure propagates: ``RunDir.open`` stops every rank with it)."""
+        flat = flat_config(cfg)
+        for t in self.trackers:
+            t.start(flat)
+            self._started.append(t)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
-        self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
-        self._metrics.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        self._metrics.log(step, metrics)
+        for t in [t for t in self._started if t is not self._metrics]:
+            try:
+                t.log(step, metrics)
+            except Exception as e:
+                # A tracker that fails mid-run (a lost server) must not stop training, and only this
+                # rank would see it: it is dropped with one line; metrics.jsonl has every iteration.
+                self._started.remove(t)
+                print(f"rallyrl: warning: {type(t).__name__.lower()} failed at iteration {step} ({type(e).__name__}: "
+                      f"{e}); it logs nothing more in this run (metrics.jsonl has every iteration)", file=sys.stderr)
 
     def log_rollouts(self, records: list[dict[str, Any]]) -> None:
         for r in records:
@@ -341,10 +395,16 @@ class RunWriter:
                 f.write(_text_line(json.dumps(r, ensure_ascii=False)))
 
     def close(self) -> None:
-        self._metrics.close()
         self._rollouts.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._metrics.close()
+        for t in self._started:
+            if t is not self._metrics:
+                try:
+                    t.close()
+                except Exception as e:  # the run's outcome stands; the tracker's last words are a warning
+                    print(f"rallyrl: warning: closing {type(t).__name__.lower()} failed ({type(e).__name__}: {e})",
+                          file=sys.stderr)
+        self._started = []
 
 
 @dataclass
