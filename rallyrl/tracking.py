@@ -25,7 +25,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -34,6 +34,7 @@ import yaml
 
 from . import dist
 from . import trackers
+from .callbacks import Callbacks
 from .config import Change, Config, ConfigError, TrainConfig, config_changes, flat_config, format_changes
 from .errors import CheckpointError, TrackerError
 
@@ -64,6 +65,7 @@ class RunDir:
         # The manifest, read from disk once and then kept here: only this object (on the main rank) writes
         # it, and every change is written through at once (see ``record``).
         self._manifest_cache: dict[str, list[str]] | None = None
+        self.cfg: Config | None = None  # the run's config, once check_start has accepted it
 
     # --- what is there ---------------------------------------------------------------------------
     def _manifest(self) -> dict[str, list[str]]:
@@ -116,6 +118,7 @@ class RunDir:
         Read-only: every rank (and the launcher, before any worker) may call it."""
         run_dir = RunDir(path)
         run_dir._check_start(cfg, eval_steps)
+        run_dir.cfg = cfg  # for final/README.md
         return run_dir
 
     def _check_start(self, cfg: Config, eval_steps: list[int]) -> None:
@@ -303,10 +306,13 @@ class RunDir:
                                {**state.state_dict(), "scheduler": learner.scheduler_state()},
                                state.shuffle_gen, keep_last)
 
-    def save_final(self, policy: Any, tokenizer: Any) -> None:
+    def save_final(self, policy: Any, tokenizer: Any, result: "TrainResult | None" = None) -> None:
         """``final/``: the policy via ``save_pretrained`` plus the tokenizer, loadable with plain
-        transformers. Written by the main rank; a failure there stops every rank with the cause. A
-        sharded policy is first assembled on the main rank (on CPU, one block at a time: one full copy)."""
+        transformers, and ``README.md``, a Hugging Face model card (``rallyrl.card``; with the run's
+        ``result``: its iterations and last metrics). Written by the main rank; a failure there stops
+        every rank with the cause. A sharded policy is first assembled on the main rank (on CPU, one
+        block at a time: one full copy). ``final/`` is rallyrl's folder (the manifest), so
+        ``train.overwrite`` removes the card with the weights."""
         full = dist.full_state_dict(policy)  # collective under FSDP; None when every rank holds it all
 
         def save() -> None:
@@ -316,6 +322,13 @@ class RunDir:
             hf_logging.disable_progress_bar()
             policy.save_pretrained(out) if full is None else policy.save_pretrained(out, state_dict=full)
             tokenizer.save_pretrained(out)
+            if self.cfg is not None:
+                from .card import model_card
+
+                r = result or TrainResult(self.path)
+                (out / "README.md").write_text(model_card(
+                    self.cfg, r.iterations, r.metrics[-1] if r.metrics else {}, r.eval_before, r.eval_after,
+                    r.stopped_by, dist.world_size()), encoding="utf-8")
 
         dist.agree(save, CheckpointError, main_only=True, what=f"saving {self.path / 'final'}")
 
@@ -413,6 +426,8 @@ class TrainResult:
     metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per iteration (main rank)
     eval_before: dict[str, float] = field(default_factory=dict)  # eval/* before the first iteration
     eval_after: dict[str, float] = field(default_factory=dict)  # eval/* of the latest evaluation
+    iterations: int = 0  # the last completed iteration (also after a resume)
+    stopped_by: str | None = None  # "EarlyStop.on_iteration" when a callback ended the run early
 
 
 def wait_notice_after_s() -> float:
@@ -424,13 +439,28 @@ def wait_notice_after_s() -> float:
         return 5.0
 
 
-class RunLog:
-    """Progress bar, the per-iteration line and the run-dir writers (main rank; no-ops elsewhere)."""
+def stderr_is_terminal() -> bool:
+    """A progress bar redraws itself with carriage returns: only a terminal shows that as one line."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
 
-    def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult) -> None:
+
+class RunLog:
+    """Progress bar, the per-iteration line, the run-dir writers (main rank; no-ops elsewhere) and the
+    run's callbacks (``rallyrl.callbacks``: run on the main rank, their decisions agreed by all).
+
+    Progress: a bar only when ``train.progress`` is on and stderr is a terminal; in a log (CI, ``nohup``,
+    a job scheduler) each iteration is one plain line, never a bar's redraws glued to it."""
+
+    def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult,
+                 callbacks: Sequence[Any] | None = None) -> None:
         self.writer, self.total, self.result = writer, cfg.train.iterations, result
+        self.result.iterations = start
+        self.callbacks = Callbacks(callbacks)
         self.bar = None
-        if cfg.train.progress and dist.is_main():
+        if cfg.train.progress and dist.is_main() and stderr_is_terminal():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=self.total, initial=start, desc="ppo", unit="it", file=sys.stderr,
@@ -443,6 +473,9 @@ class RunLog:
                  f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
         if resumed_from is not None:
             self.say(f"resumed from {resumed_from} at iteration {iteration}")
+        self.callbacks.start({"run_dir": self.result.run_dir, "config": cfg, "world_size": plan.world_size,
+                              "iterations": cfg.train.iterations, "start_iteration": iteration,
+                              "resumed_from": resumed_from, "num_rollouts": plan.num_rollouts})
         if resumed_from is not None and was_world_size is not None and was_world_size != plan.world_size:
             n = plan.world_size
             self.say(f"rallyrl: the run continues from step {iteration} on {n} process{'' if n == 1 else 'es'} (was "
@@ -511,6 +544,7 @@ class RunLog:
         self.say("eval @ %d: %s" % (step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))))
         if step > 0:
             self.result.eval_after = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        self.callbacks.eval(step, metrics)
         return metrics
 
     def eval_before(self, metrics: dict[str, float]) -> None:
@@ -528,10 +562,21 @@ class RunLog:
         if self.writer and gathered:
             self.writer.log_rollouts([r for part in gathered for r in part])
 
-    def iteration(self, step: int, m: dict[str, float]) -> None:
+    def iteration(self, step: int, m: dict[str, float]) -> bool:
+        """Log iteration ``step`` and run the callbacks; True (on every rank) when one asked to stop."""
+        self.result.iterations = step
         if self.writer:
             self.writer.log_metrics(step, m)
             self.result.metrics.append(m)
+        self._line(step, m)
+        if not self.callbacks.iteration(step, m):
+            return False
+        self.result.stopped_by = self.callbacks.stopped_by
+        self.say(f"rallyrl: {self.callbacks.stopped_by} asked to stop: the run ends after iteration {step} of "
+                 f"{self.total} (a checkpoint if checkpoint.interval is set, then final/)")
+        return True
+
+    def _line(self, step: int, m: dict[str, float]) -> None:
         if not dist.is_main():
             return
         line = (f"iter {step}/{self.total} | reward {m['reward/mean']:.4f} | kl {m['policy/kl']:.4f} | "

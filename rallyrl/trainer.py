@@ -203,10 +203,12 @@ def _micro_step(model: torch.nn.Module, ro: Rollouts, rows: list[int], resp_len:
 
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
           prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
-          metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None) -> TrainResult:
+          metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
+          callbacks: Sequence[Any] | None = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO; shaped like ``trlx.train``; every rank calls it. ``reward_fn``,
     ``prompts``, ``eval_prompts`` and ``metric_fn`` override ``reward.fn``, ``data.*`` and ``eval.metric_fn``
-    (a reward or metric function has the trlx signature ``fn(samples, prompts, outputs, **kwargs)``)."""
+    (a reward or metric function has the trlx signature ``fn(samples, prompts, outputs, **kwargs)``);
+    ``callbacks``: objects with ``on_start`` / ``on_iteration`` / ``on_eval`` (``rallyrl.callbacks``)."""
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
@@ -221,7 +223,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
         reward_step.close()  # a spawned server stops with the failed start-up
         raise
     log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
-                 TrainResult(run_dir.path))
+                 TrainResult(run_dir.path), callbacks)
     log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
     reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
 
@@ -257,13 +259,15 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             if step in evals:
                 metrics |= run_eval(step)
             state.iteration = step
-            log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})
+            stop = log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})  # a callback's "stop"
             # 7. checkpoint (collective; atomic; a failure on any rank stops every rank)
-            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+            if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or stop):
                 run_dir.save_checkpoint(step, models.policy, learner, state, cfg.checkpoint.keep_last)
+            if stop:  # every rank: the decision was broadcast
+                break
         log.close()
         if cfg.train.save_final:
-            run_dir.save_final(models.policy, models.tokenizer)
+            run_dir.save_final(models.policy, models.tokenizer, log.result)
         dist.barrier()  # every rank leaves together (a peer still receiving the last broadcast must not see us go)
     except KeyboardInterrupt:
         log.interrupted(state.iteration, run_dir.newest_checkpoint())
@@ -282,7 +286,7 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     """Models, optimizer + schedule and the fresh train state (seeded: see ``rallyrl.seeding``)."""
     W, R = dist.world_size(), dist.rank()
     assert inp.plan.world_size == W, f"inputs were checked for {inp.plan.world_size} processes, the group has {W}"
-    torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
+    torch.set_num_threads(num_threads(cfg.train.num_threads))
     torch.manual_seed(cfg.train.seed)  # shared: any random init inside from_pretrained matches on all ranks
     models = _quiet(load_models, cfg.model, cfg.train.seed, inp.tokenizer)
     models.policy.to(device)
@@ -293,6 +297,18 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     learner = Learner.create(models.policy, cfg.ppo, total_steps)
     state = TrainState.fresh(cfg, len(inp.records), shuffle_seed=stream_seed(cfg.train.seed, "minibatch", R))
     return models, learner, state
+
+
+def num_threads(configured: int) -> int:
+    """torch intra-op threads for this process: ``train.num_threads``, else ``OMP_NUM_THREADS`` when it is set
+    (a user's or scheduler's choice, as torch itself honours it), else the cores shared out over the local
+    processes."""
+    if configured:
+        return configured
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return max(1, (os.cpu_count() or 1) // dist.local_world_size())
 
 
 def _reward_step(cfg: Config, inp: Inputs) -> RewardStep:
