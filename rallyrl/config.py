@@ -150,8 +150,8 @@ class TrainConfig:
     )
     progress: bool = _f(
         True,
-        "Show progress on the main rank: a progress bar when stderr is a terminal, else (CI logs, `nohup`, "
-        "job schedulers) one plain line per iteration.",
+        "Show a progress bar on the main rank when stderr is a terminal. Each iteration's line is printed "
+        "either way; when stderr is not a terminal (CI logs, `nohup`, a job scheduler) there is no bar.",
     )
     save_final: bool = _f(True, "Save the final policy (no value head) and tokenizer to `run_dir/final/`.")
     num_threads: int = _f(
