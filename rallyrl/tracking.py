@@ -473,9 +473,6 @@ class RunLog:
                  f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
         if resumed_from is not None:
             self.say(f"resumed from {resumed_from} at iteration {iteration}")
-        self.callbacks.start({"run_dir": self.result.run_dir, "config": cfg, "world_size": plan.world_size,
-                              "iterations": cfg.train.iterations, "start_iteration": iteration,
-                              "resumed_from": resumed_from, "num_rollouts": plan.num_rollouts})
         if resumed_from is not None and was_world_size is not None and was_world_size != plan.world_size:
             n = plan.world_size
             self.say(f"rallyrl: the run continues from step {iteration} on {n} process{'' if n == 1 else 'es'} (was "
@@ -483,6 +480,13 @@ class RunLog:
                      f"prompt position carried over, the per-rank random streams (generation sampling, "
                      f"minibatch order) were re-derived from train.seed, the rank and the iteration, so it is "
                      f"not bit-identical to an uninterrupted run (recorded in config_history.jsonl)")
+        try:
+            self.callbacks.start({"run_dir": self.result.run_dir, "config": cfg, "world_size": plan.world_size,
+                                  "iterations": cfg.train.iterations, "start_iteration": iteration,
+                                  "resumed_from": resumed_from, "num_rollouts": plan.num_rollouts})
+        except BaseException:
+            self.close()  # before the trainer's try: the trackers end here, as failed
+            raise
 
     def interrupted(self, completed: int, newest: Path | None) -> None:
         """Ctrl-C: close the bar first so the line stands on its own, then say how to continue."""
