@@ -178,6 +178,10 @@ class Mlflow:
 
         self.client = MlflowClient()
         run_id = self.state.get("mlflow").get("run_id") or os.environ.get("MLFLOW_RUN_ID")
+        if run_id and not self._exists(run_id):
+            print(f"rallyrl: warning: the MLflow run {run_id} of this run directory is not in "
+                  f"{self.client.tracking_uri}; logging to a new run", file=sys.stderr)
+            run_id = None
         if run_id:
             self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
         else:
@@ -196,6 +200,15 @@ class Mlflow:
         params = [Param(k, str(v)) for k, v in param_values(config).items() if k not in have]
         for i in range(0, len(params), 100):  # MLflow's limit per batch
             self.client.log_batch(run_id, params=params[i : i + 100])
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+            return True
+        except MlflowException:
+            return False
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -226,7 +239,7 @@ class Trackio:
         project = kept.get("project") or _project(self.cfg, "TRACKIO_PROJECT")
         name = kept.get("name") or _run_name(self.cfg)
         self.run = trackio.init(project=project, name=name, config=param_values(config),
-                                resume="allow" if kept else "never", embed=False)
+                                resume="allow" if kept else "never")
         self.state.set("trackio", {"project": project, "name": self.run.name})
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -145,3 +145,17 @@ def test_a_tracker_failing_mid_run_is_dropped_with_a_warning(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert err.count("tensorboard failed at iteration 1 (ZeroDivisionError") == 1
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_resume_whose_mlflow_run_is_elsewhere_starts_a_new_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, report_to=["mlflow"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'a'}")
+    _run(run_dir, cfg, [0, 1])
+    old = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'b'}")  # the user moved the store
+    _run(run_dir, cfg, [2], resumed_from=run_dir / "checkpoints" / "step_1")
+    new = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
+    assert new["run_id"] != old and new["tracking_uri"] == f"file:{tmp_path / 'b'}"
+    assert f"the MLflow run {old} of this run directory is not in" in capsys.readouterr().err
