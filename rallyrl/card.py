@@ -20,9 +20,32 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MAX_LIST = 20  # a longer list in the config (inline prompts) is shown as its length
 
 
+ALGORITHMS = {"gae": "PPO", "grpo": "GRPO", "rloo": "RLOO"}  # ppo.estimator -> the name a card and tags use
+
+
 def algorithm(cfg: Config) -> str:
-    """The algorithm's name, as the card and its tags say it."""
-    return "PPO"
+    """The algorithm's name (Dr. GRPO: ``grpo`` without std scaling, sequence-sum loss; docs/algorithms.md)."""
+    p = cfg.ppo
+    if p.estimator == "grpo" and p.group_scale == "none" and p.loss_aggregation == "seq_mean_token_sum":
+        return "Dr. GRPO"
+    return ALGORITHMS[p.estimator]
+
+
+def _settings(cfg: Config) -> str:
+    """The algorithm's main settings, in one line."""
+    p, G = cfg.ppo, cfg.rollout.samples_per_prompt
+    clip = f"{p.clip_range:g}" if p.clip_range_high is None else f"[{p.clip_range:g}, {p.clip_range_high:g}]"
+    base = (f"value head + GAE (gamma {p.gamma:g}, lambda {p.lam:g})" if p.estimator == "gae" else
+            f"{G} completions per prompt, {'group-normalised' if p.estimator == 'grpo' else 'leave-one-out'} "
+            f"baseline, no value head")
+    if not p.uses_reference:
+        kl = "no KL penalty (no reference model)"
+    else:
+        kl = (f"adaptive (target {p.target_kl:g}, initial beta {p.init_kl_coef:g})" if p.target_kl is not None
+              else f"beta {p.init_kl_coef:g}")
+        kl = f"KL to the starting policy ({p.kl_estimator}, in the {p.kl_in}): {kl}"
+    return (f"{base}; clip range {clip}; {p.epochs} epoch(s) x {p.num_minibatches} minibatch(es) per iteration, "
+            f"lr {p.lr:g} {p.lr_schedule}, loss {p.loss_aggregation}; {kl}")
 
 
 def base_model(cfg: Config) -> tuple[str, bool]:
@@ -61,28 +84,22 @@ def model_card(cfg: Config, iterations: int, last: dict[str, float], eval_before
     seq2seq = cfg.model.arch == "seq2seq"
     task = "text2text-generation" if seq2seq else "text-generation"
     front = {"base_model": base, "library_name": "rallyrl", "pipeline_tag": task,
-             "tags": ["rallyrl", "reinforcement-learning", algo.lower(), task]}
+             "tags": ["rallyrl", "reinforcement-learning", algo.lower().replace(". ", "-"), task]}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
              f"# {Path(cfg.train.run_dir).resolve().name}", ""]
     source = f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base}` (a local folder)"
     lines += [f"This model was fine-tuned from {source} with rallyrl "
-              f"using {algo}: reinforcement learning against reward function(s), with a KL penalty towards the "
-              f"starting policy.", ""]
+              f"using {algo}: reinforcement learning against reward function(s) (docs/algorithms.md of rallyrl).", ""]
     if not on_hub:
         lines += ["`base_model` above is the local folder the run started from; set it to the base model's hub id "
                   "before pushing, if it has one.", ""]
-    p = cfg.ppo
     rewards = [cfg.reward.fn] if cfg.reward.fn else [s.fn for s in cfg.reward.fns] or \
         ([cfg.reward.url] if isinstance(cfg.reward.url, str) else list(cfg.reward.url or [])) or ["passed in Python"]
-    kl = (f"adaptive (target {p.target_kl:g}, initial beta {p.init_kl_coef:g})" if p.target_kl is not None
-          else f"fixed beta {p.init_kl_coef:g}")
     done = f"{iterations} of {cfg.train.iterations}"
     if stopped_by:
         done += f" (stopped early by the callback {stopped_by})"
     lines += ["## Training", "",
-              f"- algorithm: {algo} (clip range {p.clip_range:g}, GAE gamma {p.gamma:g} lambda {p.lam:g}, "
-              f"{p.epochs} epoch(s) x {p.num_minibatches} minibatch(es) per iteration, lr {p.lr:g} "
-              f"{p.lr_schedule}); KL penalty ({p.kl_estimator}): {kl}",
+              f"- algorithm: {algo} ({_settings(cfg)})",
               f"- iterations: {done}, {cfg.rollout.num_rollouts} rollouts each, on {world_size} process(es)",
               f"- reward: {', '.join(f'`{r}`' for r in rewards)}",
               f"- generation: up to {cfg.generation.max_new_tokens} new tokens, temperature "

@@ -18,6 +18,8 @@ def wandb_records(path: Path) -> list[Any]:
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()
+    if len(data) < _HEADER:
+        return []  # not written yet
     assert data[:4] == b":W&B", path
     pos, out, pending = _HEADER, [], b""
     while pos + 7 <= len(data):
@@ -26,8 +28,8 @@ def wandb_records(path: Path) -> list[Any]:
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:
-            break
+        if (kind == 0 and length == 0) or pos + 7 + length > len(data):
+            break  # padding at the end, or a record still being written
         chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -39,11 +41,20 @@ def wandb_records(path: Path) -> list[Any]:
     return out
 
 
-def wandb_offline_run(folder: Path) -> dict[str, Any]:
-    """An offline run folder's id, project, name, config and history rows (``_step`` included)."""
+def wandb_offline_run(folder: Path, wait_s: float = 30) -> dict[str, Any]:
+    """An offline run folder's id, project, name, config and history rows (``_step`` included). wandb's
+    own process may still be flushing the file when ``finish()`` has returned: it is read once it ends
+    with the run's ``exit`` record (or after ``wait_s``)."""
+    import time
+
     (log,) = folder.glob("run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    records = wandb_records(log)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        records = wandb_records(log)
     run: dict[str, Any] = {"config": {}, "history": []}
-    for rec in wandb_records(log):
+    for rec in records:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             run.update(id=rec.run.run_id, project=rec.run.project, name=rec.run.display_name)

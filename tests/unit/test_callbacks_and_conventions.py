@@ -126,7 +126,13 @@ def test_model_card_front_matter_and_contents(tmp_path):
     assert front == {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "library_name": "rallyrl",
                      "pipeline_tag": "text-generation",
                      "tags": ["rallyrl", "reinforcement-learning", "ppo", "text-generation"]}
-    assert "# my-run" in card and "- algorithm: PPO (clip range 0.2" in card
+    assert "# my-run" in card and "- algorithm: PPO (value head + GAE (gamma 1, lambda 0.95); clip range 0.2;" in card
+    grpo = load_config({"ppo": {"estimator": "grpo", "group_scale": "none", "loss_aggregation": "seq_mean_token_sum",
+                                "init_kl_coef": 0.0}, "rollout": {"samples_per_prompt": 4}})
+    dr = model_card(grpo, 1, {}, {}, {})
+    assert "- algorithm: Dr. GRPO (4 completions per prompt, group-normalised baseline, no value head; " \
+           "clip range 0.2; 4 epoch(s)" in dr and "no KL penalty (no reference model)" in dr
+    assert "dr-grpo" in yaml.safe_load(dr.split("---\n")[1])["tags"]
     assert "- iterations: 7 of 10 (stopped early by the callback EarlyStop.on_iteration), 64 rollouts each, " \
            "on 2 process(es)" in card
     assert "| `reward/mean` | 0.5 |" in card and "| `policy/kl` | 0.01 |" in card
