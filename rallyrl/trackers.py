@@ -147,8 +147,12 @@ class Wandb:
         # The id is chosen and kept before wandb.init: a run killed at any point resumes the same run.
         run_id = self.state.get("wandb").get("id") or os.environ.get("WANDB_RUN_ID") or secrets.token_hex(4)
         self.state.set("wandb", {"id": run_id})
+        # WANDB_DIR and WANDB_MODE are read per run: wandb keeps the first run's in a process-wide
+        # singleton, so a second train() in one process (a sweep, a test) would otherwise ignore changes.
+        mode = os.environ.get("WANDB_MODE")
         self.run = wandb.init(project=_project(self.cfg, "WANDB_PROJECT"), name=_run_name(self.cfg, "WANDB_NAME"),
-                              id=run_id, resume="allow", config=param_values(config))
+                              id=run_id, resume="allow", config=param_values(config), dir=os.environ.get("WANDB_DIR"),
+                              mode=mode if mode in ("online", "offline", "disabled", "shared") else None)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         # wandb refuses steps below the run's current one: after a resume, the iterations between the
