@@ -227,9 +227,10 @@ CHECK = SimpleNamespace(add_parser=_check_parser, main=_check_main)
 
 def _commands() -> list[Any]:
     """Every subcommand; each has ``add_parser(subparsers)`` and ``main(args)``."""
+    from . import schema
     from .reward import server as reward_server  # light: fastapi/uvicorn are imported by its main()
 
-    return [TRAIN, CHECK, plot, reward_server]
+    return [TRAIN, CHECK, plot, reward_server, schema]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -62,6 +62,8 @@ class LoraConfig:
 
 
 REFERENCES = ("copy", "shared", "lora")
+# `train.report_to`: the experiment trackers rallyrl can log to (rallyrl/trackers.py), besides metrics.jsonl.
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 
 
 @dataclass
@@ -137,10 +139,33 @@ class TrainConfig:
     run_dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, rollouts.jsonl, final/.")
     iterations: int = _f(10, "PPO iterations (collect `rollout.num_rollouts` samples, then update).")
     log_rollouts: bool = _f(True, "Write every training sample to `rollouts.jsonl`.")
-    tensorboard: bool = _f(False, "Also log metrics to TensorBoard under `run_dir/tensorboard/`.")
-    progress: bool = _f(True, "Show a progress bar on the main rank.")
+    tensorboard: bool = _f(
+        False, "Also log metrics to TensorBoard under `run_dir/tensorboard/`; the same as `report_to: [tensorboard]`."
+    )
+    report_to: Literal[TRACKERS] | list[Literal[TRACKERS]] = _f(  # type: ignore[valid-type]
+        [],
+        "Experiment trackers that also get the config and every iteration's metrics, from the main rank: one "
+        "or a list of `tensorboard`, `wandb`, `mlflow`, `trackio` (each an extra: `pip install 'rallyrl[wandb]'`). "
+        "`metrics.jsonl` is always written. Each honours its own environment variables (`WANDB_MODE`, "
+        "`MLFLOW_TRACKING_URI`, ...). See docs/tracking.md.",
+    )
+    project: str | None = _f(
+        None,
+        "Tracker project (wandb project, mlflow experiment, trackio project); null = the tracker's own "
+        "variable (`WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`, `TRACKIO_PROJECT`) or `rallyrl`.",
+    )
+    run_name: str | None = _f(
+        None, "Tracker run name; null = `WANDB_NAME` (wandb) or the name of `train.run_dir`."
+    )
+    progress: bool = _f(
+        True,
+        "Show a progress bar on the main rank when stderr is a terminal. Each iteration's line is printed "
+        "either way; when stderr is not a terminal (CI logs, `nohup`, a job scheduler) there is no bar.",
+    )
     save_final: bool = _f(True, "Save the final policy (no value head) and tokenizer to `run_dir/final/`.")
-    num_threads: int = _f(0, "torch intra-op threads per process (0 = cores / local processes).")
+    num_threads: int = _f(
+        0, "torch intra-op threads per process (0 = `OMP_NUM_THREADS` when it is set, else cores / local processes)."
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = _f(
         "no",
         "Compute dtype of the forward and backward passes, generation and the reference pass: `no` (the stored "
@@ -429,11 +454,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
+        errors = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key)
-            except ConfigError:
-                pass
+            except ConfigError as e:
+                errors.append((arg, e))
+        for arg, e in errors:  # a choice (or a list of choices) says which one was misspelled
+            arm = typing.get_args(arg)[0] if typing.get_origin(arg) is list and isinstance(value, list) else arg
+            if typing.get_origin(arm) is Literal and (arm is not arg or isinstance(value, str)):
+                raise e from None
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -871,6 +901,7 @@ def _check_equal_micro_batches(cfg: Config, counts: list[int]) -> None:
 FREE_TO_CHANGE = frozenset({
     "train.iterations", "train.run_dir", "train.log_rollouts", "train.tensorboard", "train.progress",
     "train.save_final", "train.num_threads", "train.overwrite", "train.resume", "train.allow_config_change",
+    "train.report_to", "train.project", "train.run_name",
     "checkpoint.interval", "checkpoint.keep_last", "dist.timeout_s",
     "reward.overlap",  # the same rewards, only scored beside generation: same results (tested)
 })
@@ -896,6 +927,11 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
         # free-form mappings (reward kwargs) compare as one value: their keys are the user's, not ours
         out.update({key: v} if k == "kwargs" else _flatten(v, key))
     return out
+
+
+def flat_config(cfg: Config) -> dict[str, Any]:
+    """The config as ``{"section.key": value}`` (what trackers log as the run's parameters)."""
+    return _flatten(cfg.to_dict())
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
@@ -955,6 +991,30 @@ def config_markdown() -> str:
         "fails when this page and the code disagree. Every key can be set in the YAML file or on the",
         "command line with `--set section.key=value` (the value is parsed as YAML). Unknown keys and wrong",
         "types are errors naming the key, raised before any model is loaded.",
+        "",
+        "## Editor support: the JSON Schema",
+        "",
+        "`rallyrl schema` prints a JSON Schema (draft 2020-12) of this whole page: every key with its type,",
+        "choices, default, range and meaning. Save it once per rallyrl version and name it on a config's first",
+        "line; editors that use the YAML language server (VS Code's YAML extension, Neovim, JetBrains, Helix, Zed)",
+        "then complete keys, show each key's meaning on hover and mark a wrong type, a misspelled choice or a",
+        "value out of range as you type:",
+        "",
+        "```bash",
+        "rallyrl schema > rallyrl-config.schema.json",
+        "```",
+        "",
+        "```yaml",
+        "# yaml-language-server: $schema=rallyrl-config.schema.json",
+        "model:",
+        "  path: models/tiny",
+        "```",
+        "",
+        "The path is relative to the YAML file (a URL works too). In VS Code you can instead map it to a",
+        "glob in `settings.json`: `\"yaml.schemas\": {\"./rallyrl-config.schema.json\": \"configs/*.yaml\"}`. The",
+        "schema holds what a single key can be; checks across keys (e.g. `reward.url` with `reward.fn`) and",
+        "the batch plan are made by `rallyrl check CONFIG --nproc N`. The loader stays the authority: the",
+        "schema is generated from the same dataclasses (a test keeps the two in agreement).",
         "",
     ]
     for section in dataclasses.fields(Config):

@@ -127,3 +127,15 @@ def raise_if_interrupted() -> None:
 
 def forget_interrupts() -> None:
     _signals_received.clear()
+
+
+class TrackerError(StageError):
+    """An experiment tracker of ``train.report_to`` could not start (on the main rank)."""
+
+    what = "tracker"
+
+
+class CallbackError(StageError):
+    """A callback passed to ``rallyrl.train(callbacks=...)`` raised or returned something unexpected."""
+
+    what = "callback"

@@ -1,4 +1,4 @@
-"""The run directory: its lifecycle (``RunDir``) and its writers (``RunWriter``).
+"""The run directory: its lifecycle (``RunDir``) and its writers (``RunWriter``, the ``Tracker`` objects).
 
 ``RunDir`` owns every decision about the folder: may a run start here, is it a resume, which checkpoint,
 what may be removed, what the logs keep after a resume. rallyrl records every file and folder it
@@ -9,6 +9,10 @@ rallyrl's output names is never replaced (the run refuses, naming it).
 Only the main rank writes (one writer per file, so lines never interleave). Files are opened in append
 mode and flushed per line, so a killed run keeps every completed iteration. ``metrics.jsonl`` is strict
 JSON: a non-finite value is written as ``null``.
+
+Metrics go to trackers behind one small protocol (``Tracker``: ``start(config)``, ``log(step, metrics)``,
+``close()``): ``metrics.jsonl`` is always one; ``train.report_to`` adds TensorBoard, W&B, MLflow or
+Trackio (``rallyrl.trackers``, each imported only when chosen).
 """
 
 from __future__ import annotations
@@ -21,16 +25,19 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
 from . import dist
-from .config import Change, Config, ConfigError, TrainConfig, config_changes, config_warnings, format_changes
-from .errors import CheckpointError
+from . import trackers
+from .callbacks import Callbacks
+from .config import (Change, Config, ConfigError, TrainConfig, config_changes, config_warnings, flat_config,
+                     format_changes)
+from .errors import CheckpointError, TrackerError
 
 if TYPE_CHECKING:
     from .rollout import Rollouts
@@ -38,7 +45,7 @@ if TYPE_CHECKING:
 MANIFEST = "rallyrl-run.json"
 # Everything rallyrl may write at the top of a run directory; folders marked True hold only rallyrl's files.
 OUTPUTS = {"config.yaml": False, "config_history.jsonl": False, "metrics.jsonl": False, "rollouts.jsonl": False,
-           "eval": False, "checkpoints": True, "final": True, "tensorboard": True}
+           "eval": False, "checkpoints": True, "final": True, "tensorboard": True, trackers.STATE_FILE: False}
 
 
 class RunDirError(ConfigError):
@@ -59,6 +66,7 @@ class RunDir:
         # The manifest, read from disk once and then kept here: only this object (on the main rank) writes
         # it, and every change is written through at once (see ``record``).
         self._manifest_cache: dict[str, list[str]] | None = None
+        self.cfg: Config | None = None  # the run's config, once check_start has accepted it
 
     # --- what is there ---------------------------------------------------------------------------
     def _manifest(self) -> dict[str, list[str]]:
@@ -111,10 +119,12 @@ class RunDir:
         Read-only: every rank (and the launcher, before any worker) may call it."""
         run_dir = RunDir(path)
         run_dir._check_start(cfg, eval_steps)
+        run_dir.cfg = cfg  # for final/README.md
         return run_dir
 
     def _check_start(self, cfg: Config, eval_steps: list[int]) -> None:
         train = cfg.train
+        trackers.check_installed(cfg)  # a missing tracker package names its extra before anything starts
         self.resuming = train.resume not in (None, "auto") or (train.resume == "auto" and self.newest_checkpoint() is not None)
         if self.resuming:
             self._check_config_change(cfg)
@@ -177,7 +187,9 @@ class RunDir:
         resume leaves ``config.yaml`` as first written and appends what changed, and at which iteration,
         to ``config_history.jsonl`` (a resume on another number of processes than ``was_world_size``, the
         checkpoint's, is recorded there too: from that iteration on the run is not bit-identical to an
-        uninterrupted one). Returns the writer there (None elsewhere). Every rank waits here."""
+        uninterrupted one). Then the trackers start (a failure there, e.g. a tracker server that cannot be
+        reached, stops every rank with a ``TrackerError``). Returns the writer there (None elsewhere).
+        Every rank waits here."""
         writer = None
         if dist.is_main():
             self.path.mkdir(parents=True, exist_ok=True)
@@ -205,8 +217,18 @@ class RunDir:
                         row["bit_identical"] = False
                     with open(self.claim("config_history.jsonl"), "a", encoding="utf-8") as f:
                         f.write(json.dumps(row) + "\n")
-            writer = RunWriter(self, cfg.train.tensorboard)
+            writer = RunWriter(self, cfg, resuming=resumed_from is not None)
         dist.barrier()
+
+        def start_trackers() -> None:
+            if writer is not None:
+                try:
+                    writer.start(cfg)
+                except BaseException:
+                    writer.close()
+                    raise
+
+        dist.agree(start_trackers, TrackerError, main_only=True, what="starting the trackers (train.report_to)")
         return writer
 
     def clear_own(self) -> None:
@@ -285,10 +307,13 @@ class RunDir:
                                {**state.state_dict(), "scheduler": learner.scheduler_state()},
                                state.shuffle_gen, keep_last)
 
-    def save_final(self, policy: Any, tokenizer: Any) -> None:
+    def save_final(self, policy: Any, tokenizer: Any, result: "TrainResult | None" = None) -> None:
         """``final/``: the policy via ``save_pretrained`` plus the tokenizer, loadable with plain
-        transformers. Written by the main rank; a failure there stops every rank with the cause. A
-        sharded policy is first assembled on the main rank (on CPU, one block at a time: one full copy)."""
+        transformers, and ``README.md``, a Hugging Face model card (``rallyrl.card``; with the run's
+        ``result``: its iterations and last metrics). Written by the main rank; a failure there stops
+        every rank with the cause. A sharded policy is first assembled on the main rank (on CPU, one
+        block at a time: one full copy). ``final/`` is rallyrl's folder (the manifest), so
+        ``train.overwrite`` removes the card with the weights."""
         full = dist.full_state_dict(policy)  # collective under FSDP; None when every rank holds it all
 
         def save() -> None:
@@ -298,34 +323,77 @@ class RunDir:
             hf_logging.disable_progress_bar()
             policy.save_pretrained(out) if full is None else policy.save_pretrained(out, state_dict=full)
             tokenizer.save_pretrained(out)
+            if self.cfg is not None:
+                from .card import model_card
+
+                r = result or TrainResult(self.path)
+                (out / "README.md").write_text(model_card(
+                    self.cfg, r.iterations, r.metrics[-1] if r.metrics else {}, r.eval_before, r.eval_after,
+                    r.stopped_by, dist.world_size()), encoding="utf-8")
 
         dist.agree(save, CheckpointError, main_only=True, what=f"saving {self.path / 'final'}")
 
 
+class Tracker(Protocol):
+    """Where the config and each iteration's metrics go (main rank only)."""
+
+    def start(self, config: dict[str, Any]) -> None:
+        """Begin (or, on a resume, continue) the run; ``config`` is flat: ``{"ppo.lr": 1e-05, ...}``."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One iteration's metrics (step 0: the evaluation before training)."""
+
+    def close(self) -> None: ...
+
+
+class MetricsFile:
+    """``metrics.jsonl``: one strict-JSON line per iteration (non-finite values as ``null``), flushed per
+    line. Always on; the other trackers come from ``train.report_to``."""
+
+    def __init__(self, path: Path) -> None:
+        self._f = open(path, "a", encoding="utf-8")
+
+    def start(self, config: dict[str, Any]) -> None:
+        pass  # the config is config.yaml
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        self._f.write(json.dumps(row, allow_nan=False) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
 class RunWriter:
-    def __init__(self, run_dir: RunDir, tensorboard: bool) -> None:
+    def __init__(self, run_dir: RunDir, cfg: Config, resuming: bool = False) -> None:
         self.run_dir = run_dir
-        self._metrics = open(run_dir.claim("metrics.jsonl"), "a", encoding="utf-8")
         self._rollouts = open(run_dir.claim("rollouts.jsonl"), "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:  # tensorboard is an optional dependency
-                raise RuntimeError(
-                    "train.tensorboard=true needs the tensorboard package: pip install 'rallyrl[tensorboard]'"
-                ) from e
-            self._tb = SummaryWriter(str(run_dir.claim("tensorboard", is_dir=True)))
+        state = trackers.TrackerState(run_dir.path / trackers.STATE_FILE, resuming, run_dir.claim)
+        self._metrics = MetricsFile(run_dir.claim("metrics.jsonl"))
+        self.trackers: list[Tracker] = [self._metrics]
+        self.trackers += trackers.create(trackers.chosen(cfg), cfg, state,
+                                         lambda: run_dir.claim("tensorboard", is_dir=True))
+        self._started: list[Tracker] = []
+
+    def start(self, cfg: Config) -> None:
+        """Start every tracker (a failure propagates: ``RunDir.open`` stops every rank with it)."""
+        flat = flat_config(cfg)
+        for t in self.trackers:
+            t.start(flat)
+            self._started.append(t)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
-        self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
-        self._metrics.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        self._metrics.log(step, metrics)
+        for t in [t for t in self._started if t is not self._metrics]:
+            try:
+                t.log(step, metrics)
+            except Exception as e:
+                # A tracker that fails mid-run (a lost server) must not stop training, and only this
+                # rank would see it: it is dropped with one line; metrics.jsonl has every iteration.
+                self._started.remove(t)
+                print(f"rallyrl: warning: {type(t).__name__.lower()} failed at iteration {step} ({type(e).__name__}: "
+                      f"{e}); it logs nothing more in this run (metrics.jsonl has every iteration)", file=sys.stderr)
 
     def log_rollouts(self, records: list[dict[str, Any]]) -> None:
         for r in records:
@@ -341,10 +409,16 @@ class RunWriter:
                 f.write(_text_line(json.dumps(r, ensure_ascii=False)))
 
     def close(self) -> None:
-        self._metrics.close()
         self._rollouts.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._metrics.close()
+        for t in self._started:
+            if t is not self._metrics:
+                try:
+                    t.close()
+                except Exception as e:  # the run's outcome stands; the tracker's last words are a warning
+                    print(f"rallyrl: warning: closing {type(t).__name__.lower()} failed ({type(e).__name__}: {e})",
+                          file=sys.stderr)
+        self._started = []
 
 
 @dataclass
@@ -353,6 +427,8 @@ class TrainResult:
     metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per iteration (main rank)
     eval_before: dict[str, float] = field(default_factory=dict)  # eval/* before the first iteration
     eval_after: dict[str, float] = field(default_factory=dict)  # eval/* of the latest evaluation
+    iterations: int = 0  # the last completed iteration (also after a resume)
+    stopped_by: str | None = None  # "EarlyStop.on_iteration" when a callback ended the run early
 
 
 def wait_notice_after_s() -> float:
@@ -364,14 +440,29 @@ def wait_notice_after_s() -> float:
         return 5.0
 
 
-class RunLog:
-    """Progress bar, the per-iteration line and the run-dir writers (main rank; no-ops elsewhere)."""
+def stderr_is_terminal() -> bool:
+    """A progress bar redraws itself with carriage returns: only a terminal shows that as one line."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
 
-    def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult) -> None:
+
+class RunLog:
+    """Progress bar, the per-iteration line, the run-dir writers (main rank; no-ops elsewhere) and the
+    run's callbacks (``rallyrl.callbacks``: run on the main rank, their decisions agreed by all).
+
+    Progress: a bar only when ``train.progress`` is on and stderr is a terminal; in a log (CI, ``nohup``,
+    a job scheduler) each iteration is one plain line, never a bar's redraws glued to it."""
+
+    def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult,
+                 callbacks: Sequence[Any] | None = None) -> None:
         self.writer, self.total, self.result = writer, cfg.train.iterations, result
+        self.result.iterations = start
+        self.callbacks = Callbacks(callbacks)
         self.log_rollouts = cfg.train.log_rollouts
         self.bar = None
-        if cfg.train.progress and dist.is_main():
+        if cfg.train.progress and dist.is_main() and stderr_is_terminal():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=self.total, initial=start, desc="ppo", unit="it", file=sys.stderr,
@@ -395,6 +486,13 @@ class RunLog:
                      f"prompt position carried over, the per-rank random streams (generation sampling, "
                      f"minibatch order) were re-derived from train.seed, the rank and the iteration, so it is "
                      f"not bit-identical to an uninterrupted run (recorded in config_history.jsonl)")
+        try:
+            self.callbacks.start({"run_dir": self.result.run_dir, "config": cfg, "world_size": plan.world_size,
+                                  "iterations": cfg.train.iterations, "start_iteration": iteration,
+                                  "resumed_from": resumed_from, "num_rollouts": plan.num_rollouts})
+        except BaseException:
+            self.close()  # before the trainer's try: the trackers end here, as failed
+            raise
 
     def interrupted(self, completed: int, newest: Path | None) -> None:
         """Ctrl-C: close the bar first so the line stands on its own, then say how to continue."""
@@ -456,6 +554,7 @@ class RunLog:
         self.say("eval @ %d: %s" % (step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if k.startswith("eval/"))))
         if step > 0:
             self.result.eval_after = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        self.callbacks.eval(step, metrics)
         return metrics
 
     def eval_before(self, metrics: dict[str, float]) -> None:
@@ -480,10 +579,21 @@ class RunLog:
         if self.writer and gathered:
             self.writer.log_rollouts([r for part in gathered for r in part])
 
-    def iteration(self, step: int, m: dict[str, float]) -> None:
+    def iteration(self, step: int, m: dict[str, float]) -> bool:
+        """Log iteration ``step`` and run the callbacks; True (on every rank) when one asked to stop."""
+        self.result.iterations = step
         if self.writer:
             self.writer.log_metrics(step, m)
             self.result.metrics.append(m)
+        self._line(step, m)
+        if not self.callbacks.iteration(step, m):
+            return False
+        self.result.stopped_by = self.callbacks.stopped_by
+        self.say(f"rallyrl: {self.callbacks.stopped_by} asked to stop: the run ends after iteration {step} of "
+                 f"{self.total} (a checkpoint if checkpoint.interval is set, then final/)")
+        return True
+
+    def _line(self, step: int, m: dict[str, float]) -> None:
         if not dist.is_main():
             return
         kl = f" | kl {m['policy/kl']:.4f}" if "policy/kl" in m else ""  # no reference: no KL

@@ -266,7 +266,8 @@ def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: 
 
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
           prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
-          metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None) -> TrainResult:
+          metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
+          callbacks: Sequence[Any] | None = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``); shaped like ``trlx.train``; every rank calls it. ``reward_fn``,
     ``prompts``, ``eval_prompts`` and ``metric_fn`` override ``reward.fn``, ``data.*`` and ``eval.metric_fn``
     (a reward or metric function has the trlx signature ``fn(samples, prompts, outputs, **kwargs)``)."""
@@ -281,7 +282,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
         models, learner, state = _build(cfg, inp, device)
         resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
-                     TrainResult(run_dir.path))
+                     TrainResult(run_dir.path), callbacks)
         log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
         reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
         run_eval = functools.partial(_evaluate, models, reward_step, inp, cfg, device, log)
@@ -307,13 +308,15 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 if step in evals:
                     metrics |= run_eval(step)
                 state.iteration = step
-                log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})
+                stop = log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})  # callbacks
                 # 7. checkpoint (collective; atomic; a failure on any rank stops every rank)
-                if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or stop):
                     run_dir.save_checkpoint(step, models.policy, learner, state, cfg.checkpoint.keep_last)
+                if stop:  # a callback's "stop", broadcast: every rank leaves after this iteration
+                    break
             log.close()
             if cfg.train.save_final:
-                run_dir.save_final(models.policy, models.tokenizer)
+                run_dir.save_final(models.policy, models.tokenizer, log.result)
             dist.barrier()  # every rank leaves together (a peer still receiving the last broadcast must not see us go)
         except KeyboardInterrupt:
             log.interrupted(state.iteration, run_dir.newest_checkpoint())
@@ -331,7 +334,7 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     """Models, optimizer + schedule and the fresh train state (seeded: see ``rallyrl.seeding``)."""
     W, R = dist.world_size(), dist.rank()
     assert inp.plan.world_size == W, f"inputs were checked for {inp.plan.world_size} processes, the group has {W}"
-    torch.set_num_threads(cfg.train.num_threads or max(1, (os.cpu_count() or 1) // dist.local_world_size()))
+    torch.set_num_threads(num_threads(cfg.train.num_threads))
     torch.manual_seed(cfg.train.seed)  # shared: any random init inside from_pretrained matches on all ranks
     models = _quiet(load_models, cfg.model, cfg.train.seed, inp.tokenizer, not cfg.ppo.critic_free,
                     cfg.ppo.uses_reference)
@@ -344,6 +347,18 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     learner = Learner.create(models.policy, cfg.ppo, total_steps)
     state = TrainState.fresh(cfg, len(inp.records), shuffle_seed=stream_seed(cfg.train.seed, "minibatch", R))
     return models, learner, state
+
+
+def num_threads(configured: int) -> int:
+    """torch intra-op threads for this process: ``train.num_threads``, else ``OMP_NUM_THREADS`` when it is set
+    (a user's or scheduler's choice, as torch itself honours it), else the cores shared out over the local
+    processes."""
+    if configured:
+        return configured
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return max(1, (os.cpu_count() or 1) // dist.local_world_size())
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/helpers/train_worker.py CONFIG OUT
 
-writes ``OUT/rank<R>.json`` = ``{"rank", "ok", "type", "message", "start", "end"}`` (the exception's type
+(``RALLYRL_TEST_CALLBACKS=module:factory`` passes ``callbacks=factory()`` on every rank) writes ``OUT/rank<R>.json`` = ``{"rank", "ok", "type", "message", "start", "end"}`` (the exception's type
 and message, if ``train`` raised), so a test can check that every rank ended with the same error. The
 process then leaves with ``os._exit(0)``: what is checked is the record, not the exit (a daemon thread
 still sleeping in an abandoned reward call must not decide it).
@@ -21,8 +21,14 @@ def main(config: str, out: str) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     rec = {"rank": rank, "ok": True, "type": None, "message": None, "start": time.time()}
+    callbacks = None
+    if os.environ.get("RALLYRL_TEST_CALLBACKS"):  # "module:factory", a factory of the callbacks list
+        import importlib
+
+        module, attr = os.environ["RALLYRL_TEST_CALLBACKS"].split(":")
+        callbacks = getattr(importlib.import_module(module), attr)()
     try:
-        rallyrl.train(config)
+        rallyrl.train(config, callbacks=callbacks)
     except BaseException as e:  # noqa: BLE001 - recorded for the test, whatever it is
         rec.update(ok=False, type=type(e).__name__, message=str(e))
     rec["end"] = time.time()

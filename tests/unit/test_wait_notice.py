@@ -47,6 +47,7 @@ def test_plain_log_lines_double_their_interval(tmp_path, monkeypatch, capsys):
 
 def test_a_progress_bar_shows_it_as_its_postfix_and_clears_it(tmp_path, monkeypatch):
     monkeypatch.setenv("RALLYRL_WAIT_NOTICE_S", "0.1")
+    monkeypatch.setattr("rallyrl.tracking.stderr_is_terminal", lambda: True)  # a bar needs a terminal
     log = _log(tmp_path, progress=True)
     seen = []
     with log.waiting("waiting for the reward on rank 0"):
