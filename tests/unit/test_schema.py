@@ -79,8 +79,9 @@ def _number_fields():
 
 
 # What a probed key needs from other keys to be judged on its own (a check across keys the schema leaves
-# to the loader): G must divide the global batch.
-CONTEXT = {"rollout.samples_per_prompt": {"rollout": {"num_rollouts": 2 * 10**6}}}
+# to the loader): G must divide the global batch; k eval samples need sampling.
+CONTEXT = {"rollout.samples_per_prompt": {"rollout": {"num_rollouts": 2 * 10**6}},
+           "eval.samples_per_prompt": {"eval": {"do_sample": True}}}
 
 
 @pytest.mark.parametrize("key, kind", _number_fields(), ids=lambda v: v if isinstance(v, str) else "")
