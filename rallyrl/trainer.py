@@ -37,7 +37,7 @@ from .reward.step import RewardStep, Samples, StepStats
 from .rollout import Rollouts, Shard, generate, score_tokens
 from .seeding import seed_everything, stream_seed
 from .state import Learner, TrainState
-from .tracking import RunDir, RunLog, TrainResult
+from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
 __all__ = ["TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "shape_rewards", "train"]
 
@@ -201,6 +201,7 @@ def _micro_step(model: torch.nn.Module, ro: Rollouts, rows: list[int], resp_len:
 # The recipe
 
 
+@releases_run_dir_lock  # the run-dir lock (main rank, RunDir.check_start) ends with this call, however it ends
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
           prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None) -> TrainResult:
@@ -210,7 +211,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
-    run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
+    run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals), lock=True)  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding)
     reward_step = _reward_step(cfg, inp)
     reward_step.launch_server()  # `reward.server: local`: rank 0 spawns it now, to start up while we load
@@ -258,15 +259,15 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 metrics |= run_eval(step)
             state.iteration = step
             log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})
-            # 7. checkpoint (collective; atomic; a failure on any rank stops every rank)
-            if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-                run_dir.save_checkpoint(step, models.policy, learner, state, cfg.checkpoint.keep_last)
+            # 7. checkpoint (collective; atomic; a failure on any rank stops every rank); a SIGTERM/SIGUSR1
+            # on any rank stops every rank here, after a checkpoint of this iteration (checkpoint.on_signal)
+            run_dir.checkpoint(step, models.policy, learner, state, cfg.checkpoint)
         log.close()
         if cfg.train.save_final:
             run_dir.save_final(models.policy, models.tokenizer)
         dist.barrier()  # every rank leaves together (a peer still receiving the last broadcast must not see us go)
-    except KeyboardInterrupt:
-        log.interrupted(state.iteration, run_dir.newest_checkpoint())
+    except KeyboardInterrupt as stop:
+        log.interrupted(state.iteration, run_dir.newest_checkpoint(), stop)
         raise
     finally:
         log.close()
