@@ -110,13 +110,13 @@ def _train_main(args: argparse.Namespace) -> int:
             for o in args.overrides:
                 worker_args += ["--set", o]
             return launch(worker_args, args.nproc, nodes, lock=locks[0] if locks else None, graceful=graceful)
-    from .trainer import train
-
     from . import dist
     from .errors import Preempted
 
     with _stop_signals(graceful), holding_run_dir_locks():
         RunDir.lock(Path(cfg.train.run_dir), cfg, create=False)  # a job already there: refused at once
+        from .trainer import train  # (after the lock: it imports torch and transformers, seconds)
+
         try:
             train(cfg)
         except Preempted as e:  # every rank stopped after the same iteration: leave the group together
@@ -157,11 +157,12 @@ def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True, l
     created."""
     from pathlib import Path
 
-    from .inputs import eval_steps, prepare_inputs
     from .tracking import RunDir
 
     if run_dir and lock:
         RunDir.lock(Path(cfg.train.run_dir), cfg, create=False)  # a job already there: refused at once
+    from .inputs import eval_steps, prepare_inputs  # (after the lock: it imports torch and transformers)
+
     inp = prepare_inputs(cfg, nproc)
     if not run_dir:
         return inp
@@ -297,17 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Error types that mean "the input needs fixing": exit 2. Imported lazily: ``--help`` stays cheap."""
-    from .data import DataError
-    from .errors import RunDirWriteError
-    from .models import ModelLoadError
-    from .reward.loading import ImportPathError
+    """Error types that mean "the input needs fixing": exit 2. An error type can only have been raised
+    once its module is imported, so the heavy ones (``rallyrl.models`` pulls in transformers and torch:
+    seconds) are taken from ``sys.modules`` instead of imported: ``--help`` and the errors that come
+    before any model work (a config error, a run directory in use) stay instant."""
+    from .errors import CheckpointError, RunDirWriteError
 
-    errors: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelLoadError, ImportPathError, RunDirWriteError,
-                                               FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                                               PermissionError)
-    ckpt = sys.modules.get("rallyrl.checkpoint")  # a CheckpointError can only exist once it is imported
-    return errors + ((ckpt.CheckpointError,) if ckpt else ())
+    errors: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, RunDirWriteError, FileNotFoundError,
+                                               NotADirectoryError, IsADirectoryError, PermissionError)
+    for module, name in (("rallyrl.data", "DataError"), ("rallyrl.models", "ModelLoadError"),
+                         ("rallyrl.reward.loading", "ImportPathError")):
+        mod = sys.modules.get(module)
+        if mod is not None and hasattr(mod, name):
+            errors += (getattr(mod, name),)
+    return errors
 
 
 _FIXES = {

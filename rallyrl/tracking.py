@@ -118,7 +118,7 @@ class RunDirLock:
                 f"it yourself") from None
         lock = RunDirLock(path, fd)
         since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": shlex.join(sys.argv)}
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": _command()}
         with writing(path, "locking train.run_dir"):
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
@@ -160,6 +160,15 @@ class RunDirLock:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _command() -> str:
+    """This process's command line as the user typed it: ``rallyrl train c.yaml`` rather than the path
+    of ``rallyrl/cli.py`` that ``python -m rallyrl.cli`` (a launcher's worker, a test) leaves in argv."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("rallyrl", "cli.py", "__main__.py"):
+        argv[0] = "rallyrl"
+    return shlex.join(argv)
 
 
 _held_locks: list[RunDirLock] = []  # taken inside the innermost ``holding_run_dir_locks`` block

@@ -277,10 +277,11 @@ def _arm(where: str, step: int) -> None:
     if where == "update":
         original_update = trainer.ppo_update
 
-        def ppo_update(learner, ro, advantages, returns, state, *args, **kwargs):
-            if state.iteration + 1 == step:
+        def ppo_update(*args, **kwargs):
+            state = next(a for a in (*args, *kwargs.values()) if type(a).__name__ == "TrainState")
+            if state.iteration + 1 == step:  # state.iteration is the last completed iteration
                 os.kill(os.getpid(), signal.SIGTERM)
-            return original_update(learner, ro, advantages, returns, state, *args, **kwargs)
+            return original_update(*args, **kwargs)
 
         trainer.ppo_update = ppo_update
     elif where == "checkpoint":

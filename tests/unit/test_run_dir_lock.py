@@ -102,3 +102,27 @@ def test_check_on_a_run_dir_in_use_is_one_line_exit_2(tmp_path, capsys):
             assert err.count("\n") == 1 and err.startswith(f"rallyrl: error: train.run_dir {run} is in use by pid "), err
     finally:
         held.release()
+
+
+def test_a_second_job_is_refused_before_torch_is_even_imported(tmp_path):
+    """"At once": the refusal comes before the inputs are read and before torch/transformers are imported
+    (seconds), for one process and for the --nproc launcher alike."""
+    import subprocess
+    import sys
+
+    from tests.helpers.runs import ROOT, env
+
+    run = tmp_path / "run"
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"train:\n  run_dir: {run}\n")
+    held = RunDirLock.acquire(run)
+    try:
+        for extra in ([], ["--nproc", "2"]):
+            code = ("import sys; from rallyrl.cli import main; rc = main(['train', sys.argv[1], *sys.argv[2:]]); "
+                    "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+            out = subprocess.run([sys.executable, "-c", code, str(cfg_path), *extra], cwd=ROOT, env=env(),
+                                 capture_output=True, text=True, timeout=120)
+            assert out.stdout.strip() == "2 []", (extra, out.stdout, out.stderr)
+            assert f"is in use by pid {os.getpid()}" in out.stderr
+    finally:
+        held.release()
