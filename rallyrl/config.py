@@ -161,6 +161,12 @@ class TrainConfig:
 @dataclass
 class RolloutConfig:
     num_rollouts: int = _f(64, "GLOBAL samples per iteration, split over the ranks as evenly as possible.")
+    samples_per_prompt: int = _f(
+        1,
+        "G: completions sampled per prompt. Each iteration draws `num_rollouts / G` prompts and samples G "
+        "completions of each (a group; its members may sit on different ranks, no per-rank divisibility is "
+        "needed). `ppo.estimator: grpo | rloo` need G >= 2. See docs/algorithms.md.",
+    )
     chunk_size: int = _f(16, "Per-rank generation batch; one central reward step per chunk round.")
     logprobs_from: Literal["forward", "generate"] = _f(
         "forward",
@@ -201,7 +207,36 @@ class PPOConfig:
     )
     warmup_steps: int = _f(0, "Linear warm-up optimizer steps.")
     max_grad_norm: float | None = _f(1.0, "Gradient clipping norm (null = off).")
-    clip_range: float = _f(0.2, "PPO ratio clip epsilon.")
+    estimator: Literal["gae", "grpo", "rloo"] = _f(
+        "gae",
+        "Advantage estimator: `gae` (PPO with a value head and GAE), `grpo` (group-normalised outcome reward, "
+        "no value head) or `rloo` (leave-one-out baseline, no value head). See docs/algorithms.md.",
+    )
+    group_scale: Literal["group", "batch", "none"] = _f(
+        "group",
+        "`grpo`: divide the group-centred reward by the group's std (`group`, GRPO), the whole global batch's "
+        "std (`batch`) or nothing (`none`, Dr. GRPO). Std = unbiased sample std.",
+    )
+    group_std_floor: float = _f(
+        1e-4, "`grpo`: the std a centred reward is divided by is at least this (a near-constant group is not "
+              "blown up)."
+    )
+    drop_zero_std_groups: bool = _f(
+        False,
+        "`grpo`/`rloo`: leave groups whose rewards are all equal (advantage 0) out of the loss and its "
+        "normaliser (DAPO's dynamic-sampling filter, without re-sampling).",
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = _f(
+        "token_mean",
+        "How per-token losses become the loss, over the GLOBAL minibatch: `token_mean` (sum / all tokens), "
+        "`seq_mean_token_mean` (mean over sequences of each one's token mean) or `seq_mean_token_sum` (each "
+        "sequence's token sum / `generation.max_new_tokens`, mean over sequences; Dr. GRPO).",
+    )
+    clip_range: float = _f(0.2, "PPO ratio clip epsilon (the lower side, and the upper one unless `clip_range_high`).")
+    clip_range_high: float | None = _f(
+        None, "Upper ratio clip epsilon (DAPO's clip-higher): the ratio is clipped to "
+              "[1 - clip_range, 1 + clip_range_high]; null = `clip_range`."
+    )
     clip_range_value: float = _f(0.2, "Value clip range around the rollout values.")
     vf_coef: float = _f(0.1, "Value loss coefficient.")
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
@@ -212,8 +247,17 @@ class PPOConfig:
         None, "Target per-sequence KL for the adaptive controller (Ziegler et al.); null = fixed beta."
     )
     kl_horizon: int = _f(10000, "Horizon of the adaptive KL controller, in samples.")
-    kl_estimator: Literal["k1", "k2", "k3"] = _f("k1", "Per-token KL estimator in the reward penalty.")
-    whiten_advantages: bool = _f(True, "Whiten advantages over the GLOBAL batch (all ranks).")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k1", "Per-token KL estimator (in the reward or in the loss).")
+    kl_in: Literal["reward", "loss"] = _f(
+        "reward",
+        "Where the KL to the reference goes: `reward` (`gae`: a per-token penalty in the reward; `grpo`/`rloo`: "
+        "the sequence's KL times beta subtracted from its score before the group statistics) or `loss` "
+        "(beta * KL added to the loss, aggregated as the policy loss; the GRPO way, usually with `k3`).",
+    )
+    whiten_advantages: bool = _f(
+        True, "`gae` only: whiten advantages over the GLOBAL batch (all ranks). Critic-free advantages are used "
+              "exactly as the estimator computes them."
+    )
     reward_scaling: Literal["none", "running"] = _f(
         "none", "Divide scores by the running std of scores (global over ranks)."
     )
@@ -224,6 +268,16 @@ class PPOConfig:
         "in `policy/nonfinite_skips`) before the run stops; 0 = the first one stops every rank with an error naming the "
         "iteration, the metric and the newest checkpoint.",
     )
+
+    @property
+    def critic_free(self) -> bool:
+        """``grpo``/``rloo``: no value head exists (no module, parameters, optimizer state, value loss)."""
+        return self.estimator != "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether any KL to a reference can be non-zero; if not, no reference is built at all."""
+        return self.init_kl_coef > 0 or self.target_kl is not None
 
 
 @dataclass
@@ -606,6 +660,7 @@ def validate(cfg: Config) -> None:
     positive("ppo.kl_horizon", cfg.ppo.kl_horizon)
     positive("ppo.reward_clip", cfg.ppo.reward_clip)
     positive("ppo.max_nonfinite_skips", cfg.ppo.max_nonfinite_skips, allow_zero=True)
+    _check_estimator(cfg)
     for key in ("gamma", "lam"):
         v = getattr(cfg.ppo, key)
         if not 0 <= v <= 1:
@@ -666,6 +721,37 @@ def validate(cfg: Config) -> None:
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ConfigError(f"reward.fns: duplicate names {sorted(dup)}; set reward.fns[i].name")
+
+
+def _check_estimator(cfg: Config) -> None:
+    """The critic-free family and groups (docs/algorithms.md)."""
+    ppo, G, n = cfg.ppo, cfg.rollout.samples_per_prompt, cfg.rollout.num_rollouts
+    if G < 1:
+        raise ConfigError(f"rollout.samples_per_prompt must be >= 1, got {G}")
+    if n % G:
+        raise ConfigError(f"rollout.num_rollouts={n} must be a multiple of rollout.samples_per_prompt={G} "
+                          f"(each iteration samples {G} completions of num_rollouts / {G} prompts)")
+    if ppo.critic_free and G < 2:
+        raise ConfigError(f"ppo.estimator={ppo.estimator} needs rollout.samples_per_prompt >= 2 (its baseline is "
+                          f"the other completions of the same prompt), got {G}")
+    if ppo.drop_zero_std_groups and not ppo.critic_free:
+        raise ConfigError("ppo.drop_zero_std_groups is for ppo.estimator grpo or rloo (groups of completions)")
+    if ppo.group_std_floor <= 0:
+        raise ConfigError(f"ppo.group_std_floor must be > 0, got {ppo.group_std_floor}")
+    if ppo.clip_range_high is not None and ppo.clip_range_high <= 0:
+        raise ConfigError(f"ppo.clip_range_high must be > 0, got {ppo.clip_range_high}")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Legal settings that are probably mistakes (printed once at the start of a run)."""
+    out = []
+    if cfg.ppo.kl_in == "loss" and cfg.ppo.kl_estimator == "k1" and cfg.ppo.uses_reference:
+        out.append("ppo.kl_in=loss with ppo.kl_estimator=k1: the gradient of k1 in the loss is zero in "
+                   "expectation (it does not pull the policy towards the reference); use k3 (GRPO) or k2")
+    if cfg.ppo.critic_free and cfg.model.value_head != "linear":
+        out.append(f"model.value_head={cfg.model.value_head} is ignored: ppo.estimator={cfg.ppo.estimator} "
+                   f"trains no value head")
+    return out
 
 
 # `rallyrl serve-reward` options that `reward.server_args` may pass (option -> takes a value); the
@@ -731,6 +817,16 @@ class BatchPlan:
     rounds: int
     num_minibatches: int
     epochs: int
+    samples_per_prompt: int = 1  # G: consecutive global samples [g*G, (g+1)*G) are group g's members
+
+    @property
+    def prompts_per_iteration(self) -> int:
+        return self.num_rollouts // self.samples_per_prompt
+
+    def sample_prompts(self, prompt_indices: list[int]) -> list[int]:
+        """The global batch's prompt index per sample: each drawn prompt repeated G times in a row, so
+        sample ``i`` belongs to group ``i // G`` (the group id), as member ``i % G``."""
+        return [p for p in prompt_indices for _ in range(self.samples_per_prompt)]
 
     @property
     def optimizer_steps_per_iteration(self) -> int:
@@ -780,6 +876,7 @@ def make_batch_plan(cfg: Config, world_size: int) -> BatchPlan:
         rounds=rounds,
         num_minibatches=cfg.ppo.num_minibatches,
         epochs=cfg.ppo.epochs,
+        samples_per_prompt=cfg.rollout.samples_per_prompt,
     )
 
 

@@ -5,28 +5,30 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from . import dist
 from .config import BatchPlan
 from .reward.step import StepStats
-from .rollout import Rollouts
+from .rollout import Advantages, Rollouts
 from .state import TrainState
 
 
 @dist.stage("statistics reduction")
-def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor, rstats: StepStats,
-                      upd: dict[str, float], names: list[str], state: TrainState, plan: BatchPlan) -> dict[str, float]:
-    """Global statistics of the iteration, with ONE all-reduce (sums; means derived afterwards)."""
+def iteration_metrics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str, float],
+                      names: list[str], state: TrainState, plan: BatchPlan) -> dict[str, float]:
+    """Global statistics of the iteration, with ONE all-reduce (sums; means derived afterwards). ``value/*``
+    only with a value head, ``policy/kl`` only with a reference (docs/metrics.md)."""
     total = ro.total_rewards()  # (B,)
     m = ro.response_mask
-    resid = (returns - ro.values) * m
+    critic = {}
+    if adv.returns is not None and ro.values is not None:
+        returns, resid = adv.returns, (adv.returns - ro.values) * m
+        critic = {"value_sum": float((ro.values * m).sum()),
+                  "ret_sum": float(returns.mul(m).sum()), "ret_sq": float(returns.double().pow(2).mul(m).sum()),
+                  "res_sum": float(resid.sum()), "res_sq": float(resid.double().pow(2).sum())}
     local = {
         "n": float(len(ro)), "reward_sum": float(total.sum()), "reward_sq": float((total**2).sum()),
-        "kl_sum": float(seq_kl.sum()), "len_sum": float(m.sum()),
-        "value_sum": float((ro.values * m).sum()),
-        "ret_sum": float(returns.mul(m).sum()), "ret_sq": float(returns.double().pow(2).mul(m).sum()),
-        "res_sum": float(resid.sum()), "res_sq": float(resid.double().pow(2).sum()),
+        "kl_sum": float(adv.seq_kl.sum()) if adv.seq_kl is not None else 0.0, "len_sum": float(m.sum()),
+        **critic,
         "calls": float(rstats.calls), "samples": float(rstats.samples), "time_reward": rstats.time_reward,
         # The update's wall time is each rank's own (logged as the main rank's, time/update): a sum
         # over ranks means nothing, so it stays out of the reduction.
@@ -37,8 +39,6 @@ def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor,
     W = plan.world_size
     n, tok = g["n"], max(1.0, g["len_sum"])
     mean = g["reward_sum"] / n
-    var_ret = g["ret_sq"] / tok - (g["ret_sum"] / tok) ** 2
-    var_res = g["res_sq"] / tok - (g["res_sum"] / tok) ** 2
     steps = max(1.0, g["u_steps"] / W)  # applied optimizer steps (identical on every rank)
     all_steps = max(1.0, (g["u_steps"] + g["u_skipped"]) / W)
     utok = max(1.0, g["u_tokens"])
@@ -50,7 +50,10 @@ def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor,
         "time/reward": g["time_reward"],
         "time/reward_gather": rstats.time_gather,  # this (main) rank's time moving samples and rewards
         "time/reward_wait": rstats.time_wait,  # this (main) rank's time blocked waiting for rewards
-        "policy/kl": g["kl_sum"] / n,
+    }
+    if adv.seq_kl is not None:
+        out["policy/kl"] = g["kl_sum"] / n
+    out |= {
         "policy/kl_coef": state.kl_ctl.value,
         "policy/response_length": g["len_sum"] / n,
         "policy/loss": g["u_pg_loss"] / W / all_steps,
@@ -61,11 +64,19 @@ def iteration_metrics(ro: Rollouts, seq_kl: torch.Tensor, returns: torch.Tensor,
         "policy/grad_norm": g["u_grad_norm"] / W / steps,
         "policy/optimizer_steps": float(state.optimizer_steps),
         "policy/nonfinite_skips": float(state.nonfinite_skips),
-        "value/loss": g["u_vf_loss"] / W / all_steps,
-        "value/clipfrac": g["u_vf_clipfrac_tok"] / utok,
-        "value/mean": g["value_sum"] / tok,
-        "value/explained_variance": 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0,
     }
+    if adv.seq_kl is not None:
+        out["policy/kl_loss"] = g["u_kl_loss"] / W / all_steps  # 0 unless ppo.kl_in: loss
+    if critic:
+        var_ret = g["ret_sq"] / tok - (g["ret_sum"] / tok) ** 2
+        var_res = g["res_sq"] / tok - (g["res_sum"] / tok) ** 2
+        out |= {
+            "value/loss": g["u_vf_loss"] / W / all_steps,
+            "value/clipfrac": g["u_vf_clipfrac_tok"] / utok,
+            "value/mean": g["value_sum"] / tok,
+            "value/explained_variance": 1.0 - var_res / var_ret if var_ret > 1e-12 else 0.0,
+        }
+    out |= adv.stats  # the estimator's own (grpo/rloo: group statistics; already global)
     if len(names) > 1:
         out.update({f"reward/{k}": g[f"c_{k}"] / n for k in names})
     return out

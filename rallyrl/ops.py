@@ -40,6 +40,9 @@ __all__ = [
     "masked_whiten",
     "penalized_rewards",
     "gae",
+    "group_advantages",
+    "loss_units",
+    "aggregate_loss",
     "policy_loss",
     "value_loss",
     "FixedKLController",
@@ -52,6 +55,7 @@ ReduceFn = Callable[[Tensor], Tensor]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
 # --------------------------------------------------------------------------- #
@@ -384,16 +388,139 @@ def gae(
     return advantages, returns
 
 
+def group_advantages(
+    scores: Tensor,
+    group_ids: Tensor,
+    estimator: str,
+    scale: str = "group",
+    std_floor: float = 1e-4,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Critic-free sequence advantages from each group's scores, by group id.
+
+    ``N`` is the number of samples of the WHOLE global batch (every rank's), in
+    any order: statistics are gathered per id (``index_add``), never by
+    reshaping, so a group's members may sit anywhere (on several ranks, in
+    different chunks) and groups need not be contiguous.
+
+    * ``grpo`` (Shao et al. 2024, DeepSeekMath): ``(r - mean_g) / max(std, floor)``
+      with ``std`` the group's unbiased sample std (``scale="group"``, as TRL and
+      veRL), the whole batch's unbiased std (``"batch"``) or no division
+      (``"none"``: Dr. GRPO, Liu et al. 2025).
+    * ``rloo`` (Ahmadian et al. 2024): ``r_i - mean(r_j, j != i)`` over the group
+      (= ``k / (k - 1) * (r_i - mean_g)``).
+
+    A group whose scores are all equal gets advantage exactly 0 (no NaN from a
+    zero std; no rounding residue of ``r - mean``), and so does a group of one
+    (it has no baseline: veRL's "mean 0, std 1" rule would train on the raw
+    score there). The arithmetic is float64.
+
+    Args:
+        scores: ``(N,)`` one score per sample (outcome reward).
+        group_ids: ``(N,)`` int group id per sample (ids need not be contiguous
+            in the batch; the largest id bounds the work).
+        estimator: ``"grpo"`` or ``"rloo"``.
+        scale: ``grpo`` only: ``"group"``, ``"batch"`` or ``"none"``.
+        std_floor: ``grpo``: the divisor is at least this.
+
+    Returns:
+        ``(advantages (N,) float64, zero_std (N,) bool: the sample's group has
+        all-equal scores, group_std (P,) float64: each group id's unbiased std,
+        0 for a group of one; P = max id + 1, ids without samples give 0)``.
+    """
+    s = scores.detach().to(torch.float64).reshape(-1)  # (N,)
+    ids = group_ids.to(torch.long).reshape(-1)  # (N,)
+    if s.shape != ids.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} differ")
+    P = int(ids.max()) + 1 if len(ids) else 0
+    zeros = s.new_zeros(P)
+    count = zeros.index_add(0, ids, torch.ones_like(s))  # (P,)
+    total = zeros.index_add(0, ids, s)  # (P,)
+    mean = total / count.clamp(min=1)  # (P,)
+    hi = torch.full_like(zeros, -math.inf).scatter_reduce(0, ids, s, "amax")  # (P,)
+    lo = torch.full_like(zeros, math.inf).scatter_reduce(0, ids, s, "amin")  # (P,)
+    zero_std = (hi == lo)[ids]  # (N,)
+    centred = s - mean[ids]  # (N,)
+    sq = zeros.index_add(0, ids, centred.square())  # (P,)
+    group_std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), zeros)  # (P,)
+    if estimator == "grpo":
+        if scale == "group":
+            adv = centred / group_std[ids].clamp(min=std_floor)
+        elif scale == "batch":
+            batch_std = float(s.std()) if len(s) > 1 else 0.0  # unbiased
+            adv = centred / max(batch_std, std_floor)
+        elif scale == "none":
+            adv = centred
+        else:
+            raise ValueError(f"unknown group scale {scale!r}; expected 'group', 'batch' or 'none'")
+    elif estimator == "rloo":
+        others = (count - 1)[ids]  # (N,)
+        adv = torch.where(others > 0, s - (total[ids] - s) / others.clamp(min=1), s.new_zeros(()))
+    else:
+        raise ValueError(f"unknown critic-free estimator {estimator!r}; expected 'grpo' or 'rloo'")
+    adv = torch.where(zero_std, s.new_zeros(()), adv)
+    return adv, zero_std, group_std
+
+
 # --------------------------------------------------------------------------- #
 # losses
 # --------------------------------------------------------------------------- #
+def loss_units(mask: Tensor, aggregation: str) -> Tensor:
+    """What the normaliser of :func:`aggregate_loss` counts, on this batch:
+    real tokens (``token_mean``) or sequences with at least one real token
+    (``seq_mean_*``). Summed over every rank's part of a minibatch (one
+    all-reduce per epoch, by the caller) it is the GLOBAL normaliser."""
+    m = mask.bool()
+    if aggregation == "token_mean":
+        return m.sum()
+    if aggregation in LOSS_AGGREGATIONS:
+        return m.any(-1).sum()
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def aggregate_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    aggregation: str,
+    normaliser: float | Tensor,
+    max_len: int | None = None,
+) -> Tensor:
+    """The one reduction of per-token losses ``(B, T)`` to the loss (0-dim).
+
+    * ``token_mean``: ``sum_{i,t} l_it / N_tokens`` (DAPO, TRL ``bnpo``/``dapo``,
+      veRL ``token-mean``).
+    * ``seq_mean_token_mean``: ``sum_i (sum_t l_it / |o_i|) / N_seqs`` (the GRPO
+      paper, TRL ``grpo``, veRL ``seq-mean-token-mean``).
+    * ``seq_mean_token_sum``: ``sum_{i,t} l_it / (max_len * N_seqs)`` (Dr. GRPO,
+      TRL ``dr_grpo``, veRL ``seq-mean-token-sum-norm``).
+
+    ``normaliser`` is ``N_tokens`` or ``N_seqs`` of the GLOBAL minibatch (see
+    :func:`loss_units`), divided by the number of processes when their
+    gradients are averaged: each process's part then sums to the loss of the
+    whole minibatch, whatever the split over processes and micro-batches.
+    Padding is never read (masked sums).
+    """
+    m = _bool_mask(mask, per_token)
+    if aggregation == "token_mean":
+        return masked_sum(per_token, m) / normaliser
+    if aggregation == "seq_mean_token_mean":
+        per_seq = masked_sum(per_token, m, dim=-1) / m.sum(-1).clamp(min=1).to(per_token.dtype)  # (B,)
+        return per_seq.sum() / normaliser
+    if aggregation == "seq_mean_token_sum":
+        if not max_len:
+            raise ValueError("seq_mean_token_sum needs max_len (generation.max_new_tokens)")
+        return masked_sum(per_token, m) / max_len / normaliser
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {', '.join(LOSS_AGGREGATIONS)}")
+
+
+
 def _zero_pad(x: Tensor, m: Tensor) -> Tensor:
     return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _normaliser(mask: Tensor, num_tokens: float | Tensor | None, like: Tensor) -> Tensor | float:
+def _normaliser(mask: Tensor, num_tokens: float | Tensor | None, like: Tensor,
+                aggregation: str = "token_mean") -> Tensor | float:
     if num_tokens is None:
-        return _bool_mask(mask, like).sum().clamp(min=1).to(_float_dtype(like))
+        return loss_units(_bool_mask(mask, like), aggregation).clamp(min=1).to(_float_dtype(like))
     return num_tokens
 
 
@@ -404,6 +531,9 @@ def policy_loss(
     mask: Tensor,
     clip_range: float,
     num_tokens: float | Tensor | None = None,
+    clip_range_high: float | None = None,
+    aggregation: str = "token_mean",
+    max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate objective (Schulman et al. 2017, eq. 7), as a loss.
 
@@ -421,9 +551,14 @@ def policy_loss(
         old_logprobs: ``(B, T)`` log-probs at rollout time.
         advantages: ``(B, T)``.
         mask: ``(B, T)``.
-        clip_range: epsilon.
+        clip_range: epsilon (the lower side; the upper too unless
+            ``clip_range_high``).
         num_tokens: normaliser (must be > 0); default ``mask.sum()``
-            clamped to at least 1.
+            clamped to at least 1. With a ``seq_mean_*`` aggregation it is the
+            number of sequences (see :func:`aggregate_loss`).
+        clip_range_high: upper epsilon (DAPO "clip-higher", Yu et al. 2025):
+            the ratio is clipped to ``[1 - clip_range, 1 + clip_range_high]``.
+        aggregation, max_len: see :func:`aggregate_loss`.
 
     Returns:
         ``(loss, stats)``: 0-dim loss; detached local masked-mean stats
@@ -438,9 +573,10 @@ def policy_loss(
     log_ratio = logprobs - old_logprobs  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     pg_unclipped = -advantages * ratio  # (B, T)
-    pg_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)  # (B, T)
+    high = clip_range if clip_range_high is None else clip_range_high
+    pg_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)  # (B, T)
     per_token = torch.maximum(pg_unclipped, pg_clipped)  # (B, T)
-    loss = masked_sum(per_token, m) / _normaliser(m, num_tokens, per_token)
+    loss = aggregate_loss(per_token, m, aggregation, _normaliser(m, num_tokens, per_token, aggregation), max_len)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((pg_clipped > pg_unclipped).to(per_token.dtype), m),
@@ -457,6 +593,8 @@ def value_loss(
     mask: Tensor,
     clip_range_value: float,
     num_tokens: float | Tensor | None = None,
+    aggregation: str = "token_mean",
+    max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss, as in OpenAI baselines ``ppo2`` and trlx.
 
@@ -471,7 +609,7 @@ def value_loss(
         returns: ``(B, T)`` targets (from :func:`gae`).
         mask: ``(B, T)``.
         clip_range_value: epsilon for values.
-        num_tokens: as in :func:`policy_loss`.
+        num_tokens, aggregation, max_len: as in :func:`policy_loss`.
 
     Returns:
         ``(loss, stats)`` with detached local stats ``clipfrac`` and ``error``
@@ -484,7 +622,7 @@ def value_loss(
     err_unclipped = (values - returns).square()  # (B, T)
     err_clipped = (v_clipped - returns).square()  # (B, T)
     per_token = 0.5 * torch.maximum(err_unclipped, err_clipped)  # (B, T)
-    loss = masked_sum(per_token, m) / _normaliser(m, num_tokens, per_token)
+    loss = aggregate_loss(per_token, m, aggregation, _normaliser(m, num_tokens, per_token, aggregation), max_len)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((err_clipped > err_unclipped).to(per_token.dtype), m),

@@ -46,8 +46,8 @@ class Scored:
     """The rollout-time forward passes over one chunk (response positions; 0 on padding)."""
 
     logprobs: torch.Tensor  # (B, T) of the sampling policy (temperature applied)
-    ref_logprobs: torch.Tensor  # (B, T) of the frozen reference
-    values: torch.Tensor  # (B, T)
+    ref_logprobs: torch.Tensor | None  # (B, T) of the frozen reference; None: no reference (beta 0)
+    values: torch.Tensor | None  # (B, T); None: the policy has no value head (critic-free)
 
 
 @dataclass
@@ -59,14 +59,15 @@ class Rollouts:
     response_ids: torch.Tensor  # (B, T) right-padded with pad_id
     response_mask: torch.Tensor  # (B, T) bool
     logprobs: torch.Tensor  # (B, T) of the sampling policy (temperature applied)
-    ref_logprobs: torch.Tensor  # (B, T) of the frozen reference
-    values: torch.Tensor  # (B, T)
+    ref_logprobs: torch.Tensor | None  # (B, T) of the frozen reference; None without a reference
+    values: torch.Tensor | None  # (B, T); None without a value head
     scores: torch.Tensor  # (B,) scalar reward, placed on the last real token
     dense_scores: torch.Tensor | None  # (B, T) per-token reward, or None when no sample has one
     prompts: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     metadata: list[dict[str, Any]] = field(default_factory=list)
-    global_index: list[int] = field(default_factory=list)
+    global_index: list[int] = field(default_factory=list)  # the sample's index in the iteration's global batch
+    group: list[int] = field(default_factory=list)  # group id (= global_index // samples_per_prompt)
     reward_components: list[dict[str, float]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -79,7 +80,7 @@ class Rollouts:
 
     @staticmethod
     def from_chunk(gen: Generated, scored: Scored, rewards: Sequence[Reward], prompts: list[str],
-                   metadata: list[dict[str, Any]], global_index: list[int]) -> "Rollouts":
+                   metadata: list[dict[str, Any]], global_index: list[int], group_size: int = 1) -> "Rollouts":
         T = gen.response_ids.shape[1]
         dense = None
         if any(rw.dense is not None for rw in rewards):
@@ -92,7 +93,8 @@ class Rollouts:
             response_mask=gen.response_mask, logprobs=scored.logprobs, ref_logprobs=scored.ref_logprobs,
             values=scored.values, scores=torch.tensor([rw.score for rw in rewards], dtype=torch.float32),
             dense_scores=dense, prompts=list(prompts), outputs=list(gen.outputs), metadata=list(metadata),
-            global_index=list(global_index), reward_components=[rw.components for rw in rewards],
+            global_index=list(global_index), group=[i // group_size for i in global_index],
+            reward_components=[rw.components for rw in rewards],
         )
 
     @staticmethod
@@ -113,22 +115,40 @@ class Rollouts:
         if any(p.dense_scores is not None for p in parts):
             dense = torch.cat([right(p.dense_scores) if p.dense_scores is not None else torch.zeros(len(p), T)
                                for p in parts])
+
+        def optional(get: Any) -> torch.Tensor | None:  # absent in every part (same models) or in none
+            return None if get(parts[0]) is None else torch.cat([right(get(p)) for p in parts])
+
         return Rollouts(
             query_ids=torch.cat([left(p.query_ids, pad_id) for p in parts]),
             query_mask=torch.cat([left(p.query_mask, False) for p in parts]),
             response_ids=torch.cat([right(p.response_ids, pad_id) for p in parts]),
             response_mask=torch.cat([right(p.response_mask, False) for p in parts]),
             logprobs=torch.cat([right(p.logprobs) for p in parts]),
-            ref_logprobs=torch.cat([right(p.ref_logprobs) for p in parts]),
-            values=torch.cat([right(p.values) for p in parts]),
+            ref_logprobs=optional(lambda p: p.ref_logprobs),
+            values=optional(lambda p: p.values),
             scores=torch.cat([p.scores for p in parts]),
             dense_scores=dense,
             prompts=[x for p in parts for x in p.prompts],
             outputs=[x for p in parts for x in p.outputs],
             metadata=[x for p in parts for x in p.metadata],
             global_index=[x for p in parts for x in p.global_index],
+            group=[x for p in parts for x in p.group],
             reward_components=[x for p in parts for x in p.reward_components],
         )
+
+
+@dataclass
+class Advantages:
+    """What the update needs besides the rollouts, from one estimator (``ppo.estimator``)."""
+
+    advantages: torch.Tensor  # (B, T) per token; critic-free: the sequence's advantage on each response token
+    returns: torch.Tensor | None  # (B, T) value targets (`gae`); None without a value head
+    seq_kl: torch.Tensor | None  # (B,) k1 KL to the reference per sequence; None without a reference
+    loss_mask: torch.Tensor  # (B, T) bool: the tokens in the loss and its normaliser (response_mask minus
+    #                          the groups `ppo.drop_zero_std_groups` leaves out)
+    seq_advantages: list[float] = field(default_factory=list)  # (B,) per sequence, for rollouts.jsonl
+    stats: dict[str, float] = field(default_factory=dict)  # estimator metrics, the same on every rank
 
 
 @dataclass(frozen=True)
@@ -140,11 +160,13 @@ class Shard:
     first_index: int
     rounds: int
     chunk_size: int
+    group_size: int = 1  # rollout.samples_per_prompt: global sample i is a member of group i // group_size
 
     @staticmethod
     def of_plan(plan: BatchPlan, rank: int, global_indices: list[int]) -> "Shard":
         off = plan.offset(rank)
-        return Shard(global_indices[off : off + plan.local_count(rank)], off, plan.rounds, plan.chunk_size)
+        return Shard(global_indices[off : off + plan.local_count(rank)], off, plan.rounds, plan.chunk_size,
+                     plan.samples_per_prompt)
 
     @staticmethod
     def even(n: int, world_size: int, rank: int, chunk_size: int) -> "Shard":
@@ -235,21 +257,22 @@ def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: Ge
     if not scored:
         return Generated(q, qm, r_ids, rm, kept, outputs)
     T = r_ids.shape[1]  # <= T': the cuts only shorten responses, token t stays at column t
-    return Generated(q, qm, r_ids, rm, kept, outputs, (step_lp[:, :T] * rm).cpu(), (step_v[:, :T] * rm).cpu())
+    values = (step_v[:, :T] * rm).cpu() if step_v is not None else None
+    return Generated(q, qm, r_ids, rm, kept, outputs, (step_lp[:, :T] * rm).cpu(), values)
 
 
 @torch.no_grad()
-def score_tokens(policy: Policy, reference: Reference, gen: Generated, temperature: float,
+def score_tokens(policy: Policy, reference: Reference | None, gen: Generated, temperature: float,
                  device: torch.device, from_generation: bool = False) -> Scored | None:
-    """One forward of the policy (log-probs + values) and one of the reference (log-probs); None for an
-    empty chunk. With ``from_generation`` (``rollout.logprobs_from: generate``) the policy's part was
+    """One forward of the policy (log-probs + values, if it has a value head) and one of the reference
+    (log-probs; skipped when there is none); None for an empty chunk. With ``from_generation`` (``rollout.logprobs_from: generate``) the policy's part was
     kept by ``generate`` and only the reference runs. Every rank calls it in every chunk round: under
     FSDP each model is gathered in turn (one whole model at a time) around its forward, so a rank
     without samples still takes part (``from_generation`` comes from the config, the same on all ranks)."""
     q, qm = gen.query_ids.to(device), gen.query_mask.to(device)
     r, rm = gen.response_ids.to(device), gen.response_mask.to(device)
     if from_generation:
-        if gen.logprobs is None or gen.values is None:
+        if gen.logprobs is None:
             raise ValueError("score_tokens(from_generation=True) needs generate(..., scored=True) output")
     else:
         with dist.gathered(policy):
@@ -259,11 +282,14 @@ def score_tokens(policy: Policy, reference: Reference, gen: Generated, temperatu
                 # logits, in the rollout pass and in training alike (as in TRL).
                 logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
                 del logits
-    with dist.gathered(reference):
-        ref_lp = reference.logprobs(q, qm, r, rm, temperature) if len(gen) else None  # (B, T)
-    if ref_lp is None:
+    ref_lp = None
+    if reference is not None:  # the same on every rank (from the config): no rank skips a collective
+        with dist.gathered(reference):
+            ref_lp = reference.logprobs(q, qm, r, rm, temperature) if len(gen) else None  # (B, T)
+    if not len(gen):
         return None
+    ref = (ref_lp * rm).cpu() if ref_lp is not None else None
     if from_generation:  # generate() already masked them and put them on the CPU
-        return Scored(logprobs=gen.logprobs, ref_logprobs=(ref_lp * rm).cpu(), values=gen.values)
-    return Scored(logprobs=(logprobs * rm).cpu(), ref_logprobs=(ref_lp * rm).cpu(),
-                  values=(values.float() * rm).cpu())
+        return Scored(logprobs=gen.logprobs, ref_logprobs=ref, values=gen.values)
+    return Scored(logprobs=(logprobs * rm).cpu(), ref_logprobs=ref,
+                  values=(values.float() * rm).cpu() if values is not None else None)

@@ -63,12 +63,12 @@ class Learner:
         self.scheduler.step()
         return norm_value
 
-    def memory(self, *frozen: torch.nn.Module) -> dict[str, float]:
+    def memory(self, *frozen: torch.nn.Module | None) -> dict[str, float]:
         """``memory/*`` metrics of this rank: bytes of the parameters it holds (the trained model and the
         ``frozen`` ones, e.g. the reference; local shards under FSDP; tied or shared weights once) and
         of the optimizer state. Deterministic (a resumed run logs what the uninterrupted one did), so
         process-level measures such as peak RSS are not logged here (benchmarks measure them)."""
-        params = [p for m in (self.model, *frozen) for p in m.parameters()]
+        params = [p for m in (self.model, *frozen) if m is not None for p in m.parameters()]
         state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return {"memory/params_bytes": float(dist.local_nbytes(params)),
                 "memory/optimizer_bytes": float(dist.local_nbytes(state))}

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from . import dist
-from .config import CheckpointConfig, Change, Config, ConfigError, TrainConfig, config_changes, format_changes
+from .config import (CheckpointConfig, Change, Config, ConfigError, TrainConfig, config_changes, config_warnings,
+                     format_changes)
 from .errors import CheckpointError, Preempted, requested_stop, writing
 # `rallyrl train --nproc N`: the launcher takes the lock and hands its file descriptor to the main rank,
 # so the lock stays held while that rank lives even if the launcher is killed.
@@ -577,6 +578,7 @@ class RunLog:
 
     def __init__(self, writer: RunWriter | None, cfg: Config, start: int, result: TrainResult) -> None:
         self.writer, self.total, self.result = writer, cfg.train.iterations, result
+        self.log_rollouts = cfg.train.log_rollouts
         self.bar = None
         if cfg.train.progress and dist.is_main():
             from tqdm.auto import tqdm
@@ -588,7 +590,11 @@ class RunLog:
               was_world_size: int | None = None) -> None:
         self.say(f"rallyrl: {plan.world_size} process(es), {plan.num_rollouts} rollouts/iteration "
                  f"({'/'.join(map(str, plan.local_counts))} per rank, {plan.rounds} chunk round(s)), "
-                 f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'")
+                 f"{cfg.train.iterations} iterations, reward placement '{cfg.reward.placement}'"
+                 + (f", estimator {cfg.ppo.estimator} with {cfg.rollout.samples_per_prompt} completions per prompt"
+                    if cfg.rollout.samples_per_prompt > 1 or cfg.ppo.critic_free else ""))
+        for warning in config_warnings(cfg):
+            self.say(f"rallyrl: warning: {warning}")
         if resumed_from is not None:
             self.say(f"resumed from {resumed_from} at iteration {iteration}")
         if resumed_from is not None and was_world_size is not None and was_world_size != plan.world_size:
@@ -671,10 +677,17 @@ class RunLog:
         if self.writer:
             self.writer.log_metrics(0, metrics)
 
-    def rollouts(self, ro: "Rollouts", step: int, rank: int) -> None:
+    def rollouts(self, ro: "Rollouts", advantages: list[float], step: int, rank: int) -> None:
+        """One row per sample: its group and its (sequence) advantage (``gae``: the first response
+        token's), and its KL to the reference (null without a reference). Nothing with
+        ``train.log_rollouts: false``."""
+        if not self.log_rollouts:
+            return
         totals = ro.total_rewards().tolist()
-        kls = (ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist()
-        recs = [{"step": step, "rank": rank, "index": i, "prompt": p, "output": o, "reward": totals[k], "kl": kls[k]}
+        kls = ((ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist() if ro.ref_logprobs is not None
+               else [None] * len(ro))
+        recs = [{"step": step, "rank": rank, "index": i, "group": ro.group[k], "prompt": p, "output": o,
+                 "reward": totals[k], "advantage": advantages[k], "kl": kls[k]}
                 for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
         gathered = dist.gather_objects(recs, dst=0)
         if self.writer and gathered:
@@ -686,7 +699,8 @@ class RunLog:
             self.result.metrics.append(m)
         if not dist.is_main():
             return
-        line = (f"iter {step}/{self.total} | reward {m['reward/mean']:.4f} | kl {m['policy/kl']:.4f} | "
+        kl = f" | kl {m['policy/kl']:.4f}" if "policy/kl" in m else ""  # no reference: no KL
+        line = (f"iter {step}/{self.total} | reward {m['reward/mean']:.4f}{kl} | "
                 f"loss {m['policy/total_loss']:.4f} | clipfrac {m['policy/clipfrac']:.3f} | {m['time/iteration']:.2f}s")
         extra = [f"{k}={v:.4f}" for k, v in m.items() if k.startswith("eval/")]
         if extra:

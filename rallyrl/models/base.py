@@ -29,7 +29,8 @@ class Policy(Protocol):
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, V) predicting each response token, and values (B, T): the value of the state in
-        which response token t is chosen."""
+        which response token t is chosen; None for a policy without a value head (critic-free
+        estimators: no head module, parameters or optimizer state exist)."""
         ...
 
     def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
@@ -97,13 +98,21 @@ def lm_save_kwargs(state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]
     return {"state_dict": {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}}
 
 
+def value_head_or_none(hidden: int, kind: str | None, std: float, seed: int, dtype: torch.dtype) -> nn.Module | None:
+    """``make_value_head``, or None when the estimator needs no critic (``kind`` None)."""
+    return None if kind is None else make_value_head(hidden, kind, std, seed, dtype)
+
+
 @contextlib.contextmanager
-def last_position_states(module: nn.Module, of_input: bool) -> Iterator[list[torch.Tensor]]:
+def last_position_states(module: nn.Module | None, of_input: bool) -> Iterator[list[torch.Tensor]]:
     """Collect, for every forward call of ``module`` while open, the hidden state (B, H) at its last
     sequence position: of its first input (``of_input``, e.g. the LM head, whose input is the final
     hidden state) or of its output's ``last_hidden_state`` (e.g. a decoder stack). During generation
     one call is one decoding step, so the list holds the state each sampled token was chosen in."""
     states: list[torch.Tensor] = []
+    if module is None:  # nothing to collect (a policy without a value head)
+        yield states
+        return
 
     def pre(_m: nn.Module, args: tuple) -> None:
         states.append(args[0][:, -1].detach().clone())  # clone: a view would keep the whole prefill alive
@@ -120,17 +129,19 @@ def last_position_states(module: nn.Module, of_input: bool) -> Iterator[list[tor
 
 
 def scored_from_generation(ids: torch.Tensor, step_logits: tuple[torch.Tensor, ...], states: list[torch.Tensor],
-                           v_head: nn.Module, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           v_head: nn.Module | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, T') and values (B, T') of generated ``ids`` (B, T') from generate()'s raw per-step
     logits (``output_logits``: T' tensors (B, V)) and the per-step hidden states of
     ``last_position_states``. Step t's logits and state are those response token t was sampled from."""
     T = ids.shape[1]
-    if len(step_logits) != T or len(states) != T:
+    if len(step_logits) != T or (v_head is not None and len(states) != T):
         raise RuntimeError(f"generate() ran {len(states)} forward steps and returned {len(step_logits)} logits "
                            f"for {T} new tokens; rollout.logprobs_from=generate needs one of each per token")
     # one step at a time: a (B, T', V) stack would double the logits' memory
     logprobs = torch.stack([ops.logprobs_from_logits(lg.float() / temperature, ids[:, t])
                             for t, lg in enumerate(step_logits)], 1)  # (B, T')
+    if v_head is None:
+        return logprobs, None
     values = v_head(torch.stack(states, 1)).squeeze(-1).float()  # (B, T')
     return logprobs, values
 

@@ -15,26 +15,30 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import (frozen_copy, last_position_states, lm_save_kwargs, make_value_head, quiet_generate,
-                   scored_from_generation)
+from .base import (frozen_copy, last_position_states, lm_save_kwargs, quiet_generate, scored_from_generation,
+                   value_head_or_none)
 
 
 class CausalPolicy(nn.Module):
-    """A causal LM plus a scalar value head on its last hidden state (one forward gives both)."""
+    """A causal LM plus a scalar value head on its last hidden state (one forward gives both); ``head``
+    None: no value head at all (critic-free estimators), ``forward`` gives values None."""
 
-    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str = "linear",
+    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str | None = "linear",
                  save: Callable[[nn.Module, Path], None] | None = None) -> None:
         super().__init__()
         self.lm = lm
         self._save = save  # how final/ is written when the LM is not a plain transformers model (LoRA)
-        self.v_head = make_value_head(lm.config.get_text_config().hidden_size, head, value_head_std, seed,
-                                      next(lm.parameters()).dtype)
+        self.v_head = value_head_or_none(lm.config.get_text_config().hidden_size, head, value_head_std, seed,
+                                         next(lm.parameters()).dtype)
 
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
-                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = response.shape[1]
-        out = causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=True)
+        out = causal_forward(self.lm, query, query_mask, response, response_mask,
+                             hidden_states=self.v_head is not None)
         logits = out.logits[:, -(T + 1) : -1]  # (B, T, V): position t-1 predicts response token t
+        if self.v_head is None:
+            return logits, None
         hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # (B, T, H)
         return logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
 
@@ -44,10 +48,11 @@ class CausalPolicy(nn.Module):
 
     @torch.no_grad()
     def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
-                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # The LM head's input is the final hidden state forward() puts the value head on
         # (hidden_states[-1]); generate() computes it at each step anyway.
-        with last_position_states(self.lm.get_output_embeddings(), of_input=True) as states:
+        head_input = self.lm.get_output_embeddings() if self.v_head is not None else None
+        with last_position_states(head_input, of_input=True) as states:
             out = quiet_generate(self.lm, query, query_mask, return_dict_in_generate=True, output_logits=True,
                                  **sampling)
         ids = out.sequences[:, query.shape[1] :]  # (B, T')

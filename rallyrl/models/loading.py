@@ -36,7 +36,7 @@ def max_positions(config: object) -> int | None:
 @dataclass
 class LoadedModels:
     policy: CausalPolicy | Seq2SeqPolicy  # a Policy (nn.Module)
-    reference: Reference
+    reference: Reference | None  # None: no KL term can be non-zero (ppo.uses_reference), so none is built
     tokenizer: Any
 
 
@@ -109,9 +109,12 @@ def check_model_folder(cfg: ModelConfig) -> None:
         )
 
 
-def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedModels:
-    """The one loader: policy (with value head) and reference for ``model.arch``, and the tokenizer
-    (``tokenizer`` if already loaded). The trainer never names a model class."""
+def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: bool = True,
+                reference: bool = True) -> LoadedModels:
+    """The one loader: policy (with a value head unless ``value_head`` is False: critic-free estimators)
+    and reference for ``model.arch`` (none unless ``reference``: with beta 0 nothing reads it, so no
+    copy is made, no frozen top blocks, no adapter switch), and the tokenizer (``tokenizer`` if
+    already loaded). The trainer never names a model class."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     # config.validate refuses this first; the check here covers a ModelConfig built in code, before any load
@@ -128,19 +131,22 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None) -> LoadedMod
     # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
     # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
     lm.eval()
-    reference: Reference
+    ref: Reference | None
     policy: CausalPolicy | Seq2SeqPolicy
+    head = cfg.value_head if value_head else None
     if cfg.arch == "seq2seq":
-        reference = Seq2SeqCopyReference(lm)
-        policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, cfg.value_head).eval()
-        return LoadedModels(policy=policy, reference=reference, tokenizer=tok)
+        ref = Seq2SeqCopyReference(lm) if reference else None
+        policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, head).eval()
+        return LoadedModels(policy=policy, reference=ref, tokenizer=tok)
     save = None
     if cfg.reference == "shared":
-        reference = setup_shared(lm, cfg.num_layers_unfrozen)  # freezes the policy below its top blocks
+        # What trains is the same with or without a reference: the top blocks over a frozen trunk.
+        ref = setup_shared(lm, cfg.num_layers_unfrozen, reference)  # freezes the policy below its top blocks
     elif cfg.reference == "lora":
-        lm, reference = setup_lora(lm, cfg.lora)  # only the adapter trains
+        lm, ref = setup_lora(lm, cfg.lora)  # only the adapter trains
+        ref = ref if reference else None
         save = functools.partial(save_lora, merge=cfg.lora.merge_on_save)
     else:
-        reference = CopyReference(lm)
-    policy = CausalPolicy(lm, cfg.value_head_std, seed, cfg.value_head, save=save).eval()
-    return LoadedModels(policy=policy, reference=reference, tokenizer=tok)
+        ref = CopyReference(lm) if reference else None
+    policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save).eval()
+    return LoadedModels(policy=policy, reference=ref, tokenizer=tok)

@@ -117,23 +117,28 @@ class SharedReference(nn.Module):
         return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
 
 
-def setup_shared(lm: nn.Module, num_layers_unfrozen: int) -> SharedReference:
-    """Build the reference from the initial LM, then freeze the policy LM below its top blocks."""
-    reference = SharedReference(lm, num_layers_unfrozen)
+def setup_shared(lm: nn.Module, num_layers_unfrozen: int, reference: bool = True) -> SharedReference | None:
+    """Build the reference from the initial LM (unless ``reference`` is False: then no frozen copies
+    are made), then freeze the policy LM below its top blocks."""
     blocks, norm = _layout(lm)
+    if not 1 <= num_layers_unfrozen <= len(blocks):
+        raise ConfigError(f"model.num_layers_unfrozen must be between 1 and the model's {len(blocks)} layers, "
+                          f"got {num_layers_unfrozen}")
+    ref = SharedReference(lm, num_layers_unfrozen) if reference else None
+    head, emb = lm.get_output_embeddings(), lm.get_input_embeddings()
+    tied = head.weight is emb.weight
     lm.requires_grad_(False)
     for block in blocks[len(blocks) - num_layers_unfrozen :]:
         block.requires_grad_(True)
     norm.requires_grad_(True)
-    head = lm.get_output_embeddings()
-    if reference.tied:
+    if tied:
         # Untie: the policy's head trains its own copy; the input embeddings stay frozen (the trunk, and
         # so the reference, never reads a trained weight). final/ then holds both matrices.
         head.weight = nn.Parameter(head.weight.detach().clone())
         lm.config.tie_word_embeddings = False
         lm.config.get_text_config().tie_word_embeddings = False
     head.requires_grad_(True)
-    return reference
+    return ref
 
 
 # ------------------------------------------------------------------------------------------------

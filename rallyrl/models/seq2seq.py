@@ -16,22 +16,26 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import (frozen_copy, last_position_states, lm_save_kwargs, make_value_head, quiet_generate,
-                   scored_from_generation)
+from .base import (frozen_copy, last_position_states, lm_save_kwargs, quiet_generate, scored_from_generation,
+                   value_head_or_none)
 
 
 class Seq2SeqPolicy(nn.Module):
-    """A seq2seq LM plus a scalar value head on the decoder's last hidden state."""
+    """A seq2seq LM plus a scalar value head on the decoder's last hidden state (``head`` None: none,
+    as ``CausalPolicy``)."""
 
-    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str = "linear") -> None:
+    def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str | None = "linear") -> None:
         super().__init__()
         self.lm = lm
         hidden = getattr(lm.config, "d_model", None) or lm.config.get_text_config().hidden_size
-        self.v_head = make_value_head(hidden, head, value_head_std, seed, next(lm.parameters()).dtype)
+        self.v_head = value_head_or_none(hidden, head, value_head_std, seed, next(lm.parameters()).dtype)
 
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
-                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = _seq2seq_forward(self.lm, query, query_mask, response, response_mask, hidden_states=True)
+                response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = _seq2seq_forward(self.lm, query, query_mask, response, response_mask,
+                               hidden_states=self.v_head is not None)
+        if self.v_head is None:
+            return out.logits, None
         hidden = out.decoder_hidden_states[-1]  # (B, T, H): the state in which response token t is chosen
         return out.logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
 
@@ -42,10 +46,11 @@ class Seq2SeqPolicy(nn.Module):
 
     @torch.no_grad()
     def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
-                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # The decoder stack's output is forward()'s decoder_hidden_states[-1] (not the LM head's input:
         # a tied T5 rescales it before the head).
-        with last_position_states(self.lm.get_decoder(), of_input=False) as states:
+        decoder = self.lm.get_decoder() if self.v_head is not None else None
+        with last_position_states(decoder, of_input=False) as states:
             out = quiet_generate(self.lm, query, query_mask, return_dict_in_generate=True, output_logits=True,
                                  **sampling)
         ids = out.sequences[:, 1:]  # (B, T')

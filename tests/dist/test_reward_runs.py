@@ -218,11 +218,14 @@ def test_weighted_reward_functions_and_dense_rewards_end_to_end(classifier_run):
 # F/G: failure is collective and fast
 
 
-@pytest.mark.parametrize("placement,failing_rank", [("main", 0), ("local", 1)])
-def test_a_failing_reward_fn_ends_every_rank_within_seconds(tiny_model, tmp_path, placement, failing_rank):
+@pytest.mark.parametrize("placement,failing_rank,estimator", [("main", 0, "gae"), ("local", 1, "gae"),
+                                                                ("local", 1, "grpo")])
+def test_a_failing_reward_fn_ends_every_rank_within_seconds(tiny_model, tmp_path, placement, failing_rank, estimator):
+    groups = {"rollout": {"num_rollouts": 8, "samples_per_prompt": 4}} if estimator != "gae" else {}
     cfg = base_config(tiny_model, tmp_path / "run", reward={
         "fn": "tests.helpers.rewards:make_failing", "placement": placement,
-        "kwargs": {"on_rank": failing_rank, "message": "reward model exploded", "stamp_dir": str(tmp_path)}})
+        "kwargs": {"on_rank": failing_rank, "message": "reward model exploded", "stamp_dir": str(tmp_path)}},
+        ppo={"estimator": estimator}, **groups)
     cfg["dist"] = {"timeout_s": 300}  # a rank left waiting in a collective would hang for 5 minutes
     t0 = time.time()
     proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2, timeout=120)

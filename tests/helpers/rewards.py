@@ -251,6 +251,11 @@ def swallows_ctrl_c(samples, prompts, outputs, **kwargs):
     return hashed(samples, prompts, outputs, **kwargs)
 
 
+def constant(samples, prompts, outputs, **kwargs):
+    """The same score for every sample: every group of completions has zero spread."""
+    return [0.5 for _ in samples]
+
+
 def signalling(**_unused):
     """A factory (``reward.fn`` with any ``reward.kwargs``) of `hashed` that, when RALLYRL_TEST_SIGNAL is
     set, makes ONE rank send itself a pre-emption signal at a chosen point of the run, as a job

@@ -94,8 +94,10 @@ def test_a_run_samples_the_same_and_resumes_exactly(tiny_model, tmp_path):
     a, b = read_jsonl(fwd / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")
     # iteration 1 samples from the same weights with the same streams: the same rollouts and rewards;
     # the per-sample KL is 0 against the forward pass and float rounding against the decoding's math
+    # (so are the advantages, which come from the values)
     ra, rb = ([r for r in read_jsonl(d / "rollouts.jsonl") if r["step"] == 1] for d in (fwd, full))
-    assert [r | {"kl": 0} for r in ra] == [r | {"kl": 0} for r in rb]
+    assert [r | {"kl": 0, "advantage": 0} for r in ra] == [r | {"kl": 0, "advantage": 0} for r in rb]
+    assert max(abs(x["advantage"] - y["advantage"]) for x, y in zip(ra, rb)) < 1e-4
     assert all(r["kl"] == 0.0 for r in ra) and max(abs(r["kl"]) for r in rb) < 1e-4
     assert b[0]["reward/mean"] == a[0]["reward/mean"]
     assert a[0]["policy/kl"] == 0.0 and abs(b[0]["policy/kl"]) < 1e-4  # the KV-cached math, not exactly 0

@@ -51,7 +51,8 @@ def test_run_directory_contract(run):
 
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     assert len(rollouts) == 2 * 7
-    assert {tuple(sorted(r)) for r in rollouts} == {("index", "kl", "output", "prompt", "rank", "reward", "step")}
+    assert {tuple(sorted(r)) for r in rollouts} == {("advantage", "group", "index", "kl", "output", "prompt", "rank", "reward",
+                                                  "step")}
     for step in (1, 2):
         rows = [r for r in rollouts if r["step"] == step]
         assert sorted(r["index"] for r in rows) == list(range(7))

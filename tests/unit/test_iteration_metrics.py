@@ -5,7 +5,7 @@ import torch
 from rallyrl import metrics
 from rallyrl.config import BatchPlan, load_config
 from rallyrl.reward.step import Reward, StepStats
-from rallyrl.rollout import Generated, Rollouts, Scored, pad
+from rallyrl.rollout import Advantages, Generated, Rollouts, Scored, pad
 from rallyrl.state import TrainState
 from rallyrl.trainer import UPDATE_STATS
 
@@ -31,7 +31,8 @@ def test_the_update_wall_time_is_not_summed_over_ranks(monkeypatch):
                      epochs=1)
     upd = {k: 1.0 for k in UPDATE_STATS} | {"grad_norm": 0.5, "steps": 1.0, "skipped": 0.0, "time": 12.5}
     ro = _rollouts()
-    m = metrics.iteration_metrics(ro, torch.zeros(2), torch.zeros(2, 3), StepStats(), upd, ["r"], state, plan)
+    adv = Advantages(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), ro.response_mask)
+    m = metrics.iteration_metrics(ro, adv, StepStats(), upd, ["r"], state, plan)
     (keys,) = [set(x) for x in reduced]  # one reduction
     assert {f"u_{k}" for k in UPDATE_STATS} | {"u_grad_norm", "u_steps", "u_skipped"} <= keys
     assert "u_time" not in keys

@@ -1,0 +1,96 @@
+"""GRPO / RLOO on 2 processes (gloo): the earlier guarantees hold with groups that straddle ranks.
+
+12 rollouts of 3 prompts x G = 4 over 2 ranks (6 + 6): group 1 (samples 4..7) has two members on each
+rank, and chunk_size 4 cuts it across chunk rounds too; no per-rank divisibility by G is needed.
+
+- A/B/C: `grpo` with a reference (beta 0.05, KL in the reward) under `main` (reward.batch_size 5),
+  `local` with a reward that draws from the global RNGs, and `collective`: final weights byte-identical
+  (the group statistics are the same wherever the reward ran), and each advantage in rollouts.jsonl is
+  the group formula applied to that group's rewards minus beta x KL, by hand.
+- D/E: `rloo` with KL in the loss (k3) and clip-higher: SIGKILL mid-run + `resume: latest` is
+  bit-identical to the uninterrupted run; a resume with another `samples_per_prompt` is refused by name.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rallyrl.tracking import read_jsonl
+from tests.helpers.runs import base_config, kill_when_paused, rallyrl_train, resume_latest, write_config
+
+pytestmark = pytest.mark.dist
+
+BETA = 0.05
+
+
+def _cfg(model, run_dir, reward, ppo, **sections):
+    return base_config(model, run_dir, rollout={"num_rollouts": 12, "chunk_size": 4, "samples_per_prompt": 4},
+                       ppo={"epochs": 2, "num_minibatches": 2, "lr": 1e-3, **ppo}, reward=reward, **sections)
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    fn, ppo = "tests.helpers.rewards:", {"estimator": "grpo", "init_kl_coef": BETA}
+    out = {}
+    for name, reward in (("A", {"fn": fn + "hashed", "placement": "main", "batch_size": 5}),
+                         ("B", {"fn": fn + "hashed_noisy", "placement": "local"}),
+                         ("C", {"fn": fn + "hashed_sharded", "placement": "collective", "batch_size": 5})):
+        proc = rallyrl_train(write_config(tmp / f"{name}.yaml", _cfg(tiny_model, tmp / name, reward, ppo)), 2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = tmp / name
+    return out
+
+
+def test_grpo_is_bit_identical_across_placements(grpo_runs):
+    weights = {k: (d / "final" / "model.safetensors").read_bytes() for k, d in grpo_runs.items()}
+    assert weights["A"] == weights["B"] == weights["C"]
+    strip = lambda rows: [(r["step"], r["index"], r["group"], r["reward"], r["advantage"]) for r in rows]  # noqa: E731
+    assert strip(read_jsonl(grpo_runs["A"] / "rollouts.jsonl")) == strip(read_jsonl(grpo_runs["C"] / "rollouts.jsonl"))
+
+
+def test_groups_straddle_ranks_and_advantages_are_the_group_formula(grpo_runs):
+    rows = read_jsonl(grpo_runs["A"] / "rollouts.jsonl")
+    for step in (1, 2):
+        mine = sorted((r for r in rows if r["step"] == step), key=lambda r: r["index"])
+        assert [r["group"] for r in mine] == [i // 4 for i in range(12)]
+        assert {r["rank"] for r in mine if r["group"] == 1} == {0, 1}  # group 1 lives on both ranks
+        for g in range(3):
+            members = [r for r in mine if r["group"] == g]
+            assert len({r["prompt"] for r in members}) == 1
+            shaped = [r["reward"] - BETA * r["kl"] for r in members]  # k1 summed over the sequence
+            mean, std = statistics.mean(shaped), statistics.stdev(shaped)
+            for r, s in zip(members, shaped):
+                assert r["advantage"] == pytest.approx((s - mean) / max(std, 1e-4), rel=1e-4, abs=1e-5)
+    metrics = read_jsonl(grpo_runs["A"] / "metrics.jsonl")
+    assert all("policy/kl" in m and not any(k.startswith("value/") for k in m) for m in metrics)
+
+
+def _rloo(model, run_dir, **rollout):
+    cfg = _cfg(model, run_dir, {"fn": "tests.helpers.rewards:hashed_with_crashes"},
+               {"estimator": "rloo", "init_kl_coef": 0.1, "kl_in": "loss", "kl_estimator": "k3",
+                "clip_range_high": 0.28, "loss_aggregation": "seq_mean_token_sum"},
+               train={"iterations": 4}, checkpoint={"interval": 1, "keep_last": 2})
+    cfg["rollout"].update(rollout)
+    return cfg
+
+
+def test_rloo_resume_after_sigkill_is_bit_identical(tiny_model, tmp_path):
+    ref = rallyrl_train(write_config(tmp_path / "d.yaml", _rloo(tiny_model, tmp_path / "D")), 2)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    # 12 samples, chunk 4: 2 rounds per iteration on each rank, so reward call 6 is iteration 3's second
+    cmd, e = kill_when_paused(write_config(tmp_path / "e.yaml", _rloo(tiny_model, tmp_path / "E")), 2,
+                              tmp_path / "calls", pause_at=6)
+    resume_latest(cmd, e)
+    a, b = (load_file(tmp_path / x / "final" / "model.safetensors") for x in ("D", "E"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert read_jsonl(tmp_path / "D" / "rollouts.jsonl") == read_jsonl(tmp_path / "E" / "rollouts.jsonl")
+
+    # the same run dir resumed with another group size is refused, naming the key
+    changed = write_config(tmp_path / "f.yaml", _rloo(tiny_model, tmp_path / "E", samples_per_prompt=6))
+    proc = rallyrl_train(changed, 2, "--set", "train.resume=latest", "--set", "train.iterations=5")
+    assert proc.returncode != 0 and "rollout.samples_per_prompt: 4 -> 6" in proc.stderr, proc.stderr[-2000:]
