@@ -478,8 +478,13 @@ class RunDir:
     def save_checkpoint(self, step: int, policy: Any, learner: Any, state: Any, keep_last: int) -> Path:
         from .checkpoint import save_checkpoint
 
-        if dist.is_main() and not (self.path / "checkpoints").exists():
-            self.claim("checkpoints", is_dir=True)
+        def claim_folder() -> None:  # the first checkpoint: the folder is listed in the manifest first
+            if not (self.path / "checkpoints").exists():
+                with writing(self.path / "checkpoints", f"saving checkpoint step_{step}"):
+                    self.claim("checkpoints", is_dir=True)
+
+        # through agree: a failure on the main rank stops every rank here, not in a later collective
+        dist.agree(claim_folder, CheckpointError, main_only=True)
         return save_checkpoint(self.path, step, policy, learner.optimizer,
                                {**state.state_dict(), "scheduler": learner.scheduler_state()},
                                state.shuffle_gen, keep_last)
