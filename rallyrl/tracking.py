@@ -77,8 +77,9 @@ class RunDirLock:
     time, command) for the error a second job gets. ``flock`` is advisory: only rallyrl processes honour
     it, which is what it is for."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, created: list[Path] | None = None) -> None:
         self.path, self.fd = path, fd
+        self.created = created or []  # folders that did not exist before this lock (innermost first)
 
     @staticmethod
     def acquire(run_dir: Path, create: bool = True) -> "RunDirLock | None":
@@ -94,6 +95,35 @@ class RunDirLock:
             return inherited
         if not create and not run_dir.is_dir():
             return None
+        # The folders this lock creates: a start that fails before writing anything else (a bad resume
+        # choice, a model that does not load) removes them again on release, leaving no trace.
+        created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        for _ in range(10):
+            fd = RunDirLock._take(run_dir, path, create)
+            if fd is None:
+                return None
+            # The lock file may have been removed (``release``) between our open and our flock, by a
+            # holder that then let go: we would hold a lock on a file nobody else can see. Start again.
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:
+            raise RunDirError(f"train.run_dir {run_dir}: could not take the lock on {path} (it kept being removed)")
+        lock = RunDirLock(path, fd, created)
+        since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": _command()}
+        with writing(path, "locking train.run_dir"):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        return lock
+
+    @staticmethod
+    def _take(run_dir: Path, path: Path, create: bool) -> int | None:
+        """Open ``path`` and flock it (non-blocking): the descriptor, None (``create=False`` and the folder
+        cannot be written), or ``RunDirBusyError`` / ``RunDirError`` (no working locks)."""
         try:
             with writing(run_dir, "locking train.run_dir"):
                 run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,13 +147,7 @@ class RunDirLock:
                 f"rallyrl cannot make sure one job at a time writes there. Use a file system with locks (a "
                 f"local disk; NFS with its lock service), or set train.lock_run_dir=false and make sure of "
                 f"it yourself") from None
-        lock = RunDirLock(path, fd)
-        since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": _command()}
-        with writing(path, "locking train.run_dir"):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        return lock
+        return fd
 
     @staticmethod
     def _inherited(path: Path) -> "RunDirLock | None":
@@ -157,10 +181,19 @@ class RunDirLock:
 
     def release(self) -> None:
         """Close this process's descriptor: the kernel drops the lock once no process holds it (a launcher
-        and its main rank share one)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        and its main rank share one). If this lock created the run directory and nothing but the lock
+        file is in it (the start failed before writing anything), the file and the folders go first,
+        while the lock is still held (a concurrent taker notices, see ``acquire``)."""
+        if self.fd < 0:
+            return
+        run_dir = self.path.parent
+        if self.created and run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+                for folder in self.created:
+                    folder.rmdir()  # only empty ones: stops at the first folder that holds anything
+        os.close(self.fd)
+        self.fd = -1
 
 
 def _command() -> str:

@@ -68,6 +68,7 @@ def test_only_the_main_rank_locks(tmp_path, monkeypatch):
 
 def test_the_main_rank_adopts_its_launchers_lock(tmp_path, monkeypatch):
     run = tmp_path / "run"
+    run.mkdir()
     launcher = RunDirLock.acquire(run)
     inherited = os.dup(launcher.fd)  # what pass_fds gives the worker: the same open file, so the same lock
     monkeypatch.setenv(LOCK_FD_ENV, f"{inherited}:{run / LOCK_FILE}")
@@ -78,6 +79,35 @@ def test_the_main_rank_adopts_its_launchers_lock(tmp_path, monkeypatch):
         RunDirLock.acquire(run)
     adopted.release()
     RunDirLock.acquire(run).release()
+
+
+def test_a_failed_start_leaves_no_trace_and_a_used_run_dir_keeps_its_lock_file(tmp_path):
+    run = tmp_path / "new" / "run"
+    RunDirLock.acquire(run).release()  # nothing else was written: the folders it created go again
+    assert not (tmp_path / "new").exists()
+    lock = RunDirLock.acquire(run)
+    (run / "config.yaml").write_text("x")
+    lock.release()
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "config.yaml"]
+
+
+def test_a_lock_file_removed_between_open_and_flock_is_taken_again(tmp_path, monkeypatch):
+    """The race of a holder that removes its lock file on release: the taker must not end up holding a
+    lock on a file nobody else can see."""
+    run = tmp_path / "run"
+    run.mkdir()
+    real_flock, calls = tracking.fcntl.flock, []
+
+    def flock_after_unlink(fd, op):
+        calls.append(op)
+        if len(calls) == 1:
+            (run / LOCK_FILE).unlink()  # the previous holder's release, right between open and flock
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(tracking.fcntl, "flock", flock_after_unlink)
+    lock = RunDirLock.acquire(run)
+    assert len(calls) == 2 and os.path.samestat(os.fstat(lock.fd), os.stat(run / LOCK_FILE))
+    lock.release()
 
 
 @pytest.mark.parametrize("code", [errno.ENOLCK, errno.EOPNOTSUPP])
