@@ -55,7 +55,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from . import dist
-from .errors import CheckpointError
+from .errors import CheckpointError, writing
 from .seeding import get_rng_state, set_rng_state
 
 FORMAT_VERSION = 1
@@ -231,12 +231,20 @@ def save_checkpoint(
         _prune(root, keep_last)
 
     what = f"saving checkpoint {final}"
-    dist.agree(start, CheckpointError, main_only=True, what=what)
-    dist.agree(lambda: _save_split(tmp / f"rng_rank{dist.rank()}", rank_rng_state(shuffle_gen)), CheckpointError,
-               what=what)
+
+    def io(fn: Any) -> Any:
+        """``fn`` with its I/O failures as one line (path, OS reason, hint; ``errors.writing``)."""
+        def run() -> Any:
+            with writing(tmp, what, note="the last complete checkpoint is intact"):
+                return fn()
+        return run
+
+    dist.agree(io(start), CheckpointError, main_only=True, what=what)
+    dist.agree(io(lambda: _save_split(tmp / f"rng_rank{dist.rank()}", rank_rng_state(shuffle_gen))),
+               CheckpointError, what=what)
     if sharded:
-        dist.agree(save_shards, CheckpointError, what=what)
-    dist.agree(finish, CheckpointError, main_only=True, what=what)
+        dist.agree(io(save_shards), CheckpointError, what=what)
+    dist.agree(io(finish), CheckpointError, main_only=True, what=what)
     return final
 
 

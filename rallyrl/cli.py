@@ -9,7 +9,10 @@ Every failure ends in one line on stderr and an exit code (``docs/troubleshootin
 - a user error (config, data, model folder, import path, checkpoint choice, a missing or non-UTF-8 file)
   exits 2 as ``rallyrl: error: ...``;
 - a runtime failure exits 1 as ``rallyrl: <ErrorType>: ...`` (a ``RewardError`` names the rank);
-- Ctrl-C exits 130 (SIGTERM 143) without a traceback; the trainer says where it stopped.
+- Ctrl-C exits 130 without a traceback; the trainer says where it stopped. SIGTERM and SIGUSR1 (a job
+  scheduler's pre-emption) let every rank finish the iteration and write a checkpoint, then exit 143
+  (``checkpoint.on_signal``; without it SIGTERM stops at once, also 143);
+- a second job on a run directory in use exits 2 at once, naming the holder (``tracking.RunDirLock``).
 
 ``RALLYRL_DEBUG=1`` adds the tracebacks. ``rallyrl train CONFIG --nproc N`` checks the whole config for
 N processes in this process, then starts N workers (``rallyrl.launch``); the same ``rallyrl.cli train``
@@ -30,7 +33,7 @@ from typing import Any, NoReturn
 
 from . import plot
 from .config import ConfigError, load_config
-from .errors import forget_interrupts, interrupt_received
+from .errors import STOP_SIGNALS, forget_interrupts, interrupt_received, stop_requested
 
 DEBUG_ENV = "RALLYRL_DEBUG"
 
@@ -84,7 +87,12 @@ def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _train_main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .tracking import RunDir, holding_run_dir_locks
+
     cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
+    graceful = cfg.checkpoint.on_signal
     if (args.nproc > 1 or args.nnodes > 1) and not _under_launcher():
         from .launch import Nodes, launch
 
@@ -92,20 +100,30 @@ def _train_main(args: argparse.Namespace) -> int:
             nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        # every check a worker makes, for the GLOBAL world size, before any worker exists; a node other
-        # than 0 skips the run-dir check: node 0 may already have started writing the shared run_dir
-        preflight(cfg, args.nproc * args.nnodes, quiet=True, run_dir=nodes.node_rank == 0)
-        worker_args = ["rallyrl.cli", "train", args.config]
-        for o in args.overrides:
-            worker_args += ["--set", o]
-        return launch(worker_args, args.nproc, nodes)
-    from .trainer import train
-
+        # The launcher on node 0 takes the run-dir lock (in preflight) and holds it until its workers are
+        # gone; its main rank inherits the lock's descriptor, so it stays held even if the launcher dies.
+        with holding_run_dir_locks() as locks:
+            # every check a worker makes, for the GLOBAL world size, before any worker exists; a node other
+            # than 0 skips the run-dir check: node 0 may already have started writing the shared run_dir
+            preflight(cfg, args.nproc * args.nnodes, quiet=True, run_dir=nodes.node_rank == 0, lock=True)
+            worker_args = ["rallyrl.cli", "train", args.config]
+            for o in args.overrides:
+                worker_args += ["--set", o]
+            return launch(worker_args, args.nproc, nodes, lock=locks[0] if locks else None, graceful=graceful)
     from . import dist
+    from .errors import Preempted
 
-    with _sigterm_as_interrupt():
+    with _stop_signals(graceful), holding_run_dir_locks():
+        RunDir.lock(Path(cfg.train.run_dir), cfg, create=False)  # a job already there: refused at once
+        from .trainer import train  # (after the lock: it imports torch and transformers, seconds)
+
         try:
             train(cfg)
+        except Preempted as e:  # every rank stopped after the same iteration: leave the group together
+            dist.shutdown()
+            if _under_launcher():
+                _exit_now(e.exit_code)
+            raise
         except RuntimeError as e:  # a collective that timed out: say where and what to change
             translated = dist.timeout_error(e)
             if translated is None:
@@ -113,32 +131,44 @@ def _train_main(args: argparse.Namespace) -> int:
             raise translated from e
     dist.shutdown()  # leave the process group together with the other ranks (see dist.shutdown)
     if _under_launcher():
-        # Rank 0 hosts the rendezvous store; its C++ threads can abort interpreter teardown
-        # ("terminate called without an active exception", exit 134) after a run that succeeded.
-        # Everything is written and closed by now: leave without that teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_now(0)
     return 0
 
 
-def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True) -> Any:
+def _exit_now(code: int) -> NoReturn:
+    """Leave a worker process without interpreter teardown. Rank 0 hosts the rendezvous store; its C++
+    threads can abort teardown ("terminate called without an active exception", exit 134) after a run
+    that succeeded. Everything is written and closed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True, lock: bool = False,
+              dry_run: bool = False) -> Any:
     """What ``check`` and the ``--nproc N`` launcher verify before anything starts: the run's inputs for
     ``nproc`` processes (``prepare_inputs``: batch plan, prompt files, reward and metric imports, model
     folder, tokenizer) and the checkpoint that ``train.resume`` names. Returns the ``Inputs``.
 
     ``quiet``: the launcher's workers repeat the resume choice, so its warnings (a skipped invalid
-    checkpoint) are left to them instead of printed twice."""
+    checkpoint) are left to them instead of printed twice. ``lock``: take the run directory's lock
+    first (held until the caller's ``holding_run_dir_locks`` block ends); a folder that exists is locked
+    before the inputs are read, a new one only once they passed. ``dry_run`` (``check``): nothing is
+    created."""
     from pathlib import Path
 
-    from .inputs import eval_steps, prepare_inputs
     from .tracking import RunDir
+
+    if run_dir and lock:
+        RunDir.lock(Path(cfg.train.run_dir), cfg, create=False)  # a job already there: refused at once
+    from .inputs import eval_steps, prepare_inputs  # (after the lock: it imports torch and transformers)
 
     inp = prepare_inputs(cfg, nproc)
     if not run_dir:
         return inp
     # may a run start in train.run_dir (or resume it, with this config)? read-only, like the rest
-    RunDir.check_start(Path(cfg.train.run_dir), cfg, eval_steps(cfg) if inp.eval_records else [])
+    RunDir.check_start(Path(cfg.train.run_dir), cfg, eval_steps(cfg) if inp.eval_records else [], lock=lock,
+                       dry_run=dry_run)
     if cfg.train.resume not in (None, "auto"):  # `auto` falls back to a fresh start: nothing to fail
         import contextlib
         import io
@@ -158,13 +188,20 @@ def _under_launcher() -> bool:
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Ctrl-C (SIGINT) and a job scheduler's or container stop's SIGTERM stop the run the same way: the
-    trainer's interrupt path runs (it says where to resume) instead of the process dying on the spot.
-    The handler also records the signal, so one whose exception Python dropped still stops the loop
-    (``errors.raise_if_interrupted``)."""
+def _stop_signals(graceful: bool) -> Iterator[None]:
+    """Ctrl-C (SIGINT) stops the run at once through the trainer's interrupt path (it says where to
+    resume) instead of the process dying on the spot; the handler also records the signal, so one whose
+    exception Python dropped still stops the loop (``errors.raise_if_interrupted``).
+
+    SIGTERM and SIGUSR1 (a job scheduler's pre-emption, Slurm's ``--signal``): with ``graceful``
+    (``checkpoint.on_signal``) they are only recorded; every rank finishes the iteration, a checkpoint is
+    written and the run exits 143 (``RunDir.checkpoint``). Without it SIGTERM stops at once like Ctrl-C
+    and SIGUSR1 is left alone."""
+    handlers = {signal.SIGINT: interrupt_received, signal.SIGTERM: interrupt_received}
+    if graceful:
+        handlers.update({s: stop_requested for s in STOP_SIGNALS})
     try:
-        previous = {s: signal.signal(s, interrupt_received) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, h) for s, h in handlers.items()}
     except ValueError:  # not the main thread (train() called from a thread): leave signals alone
         yield
         return
@@ -200,7 +237,10 @@ def _check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _check_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    inp = preflight(cfg, args.nproc)
+    from .tracking import holding_run_dir_locks
+
+    with holding_run_dir_locks():  # a run in progress there is refused, as for a second `train`
+        inp = preflight(cfg, args.nproc, lock=True, dry_run=True)
     plan = inp.plan
     longest = max(len(q) for q in inp.query_ids)
     lines = [
@@ -259,16 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Error types that mean "the input needs fixing": exit 2. Imported lazily: ``--help`` stays cheap."""
-    from .data import DataError
-    from .models import ModelLoadError
-    from .reward.loading import ImportPathError
+    """Error types that mean "the input needs fixing": exit 2. An error type can only have been raised
+    once its module is imported, so the heavy ones (``rallyrl.models`` pulls in transformers and torch:
+    seconds) are taken from ``sys.modules`` instead of imported: ``--help`` and the errors that come
+    before any model work (a config error, a run directory in use) stay instant."""
+    from .errors import CheckpointError, RunDirWriteError
 
-    errors: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelLoadError, ImportPathError,
-                                               FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                                               PermissionError)
-    ckpt = sys.modules.get("rallyrl.checkpoint")  # a CheckpointError can only exist once it is imported
-    return errors + ((ckpt.CheckpointError,) if ckpt else ())
+    errors: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, RunDirWriteError, FileNotFoundError,
+                                               NotADirectoryError, IsADirectoryError, PermissionError)
+    for module, name in (("rallyrl.data", "DataError"), ("rallyrl.models", "ModelLoadError"),
+                         ("rallyrl.reward.loading", "ImportPathError")):
+        mod = sys.modules.get(module)
+        if mod is not None and hasattr(mod, name):
+            errors += (getattr(mod, name),)
+    return errors
 
 
 _FIXES = {
@@ -323,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         return int(args._main(args))
-    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM): the trainer has said where it stopped
-        return 128 + getattr(e, "signum", signal.SIGINT)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or a pre-emption: the trainer has said where it stopped
+        return int(getattr(e, "exit_code", 128 + signal.SIGINT))
     except Exception as e:
         code, line = describe(e, _user_errors())
         _report(code, line, e)

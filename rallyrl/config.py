@@ -190,6 +190,13 @@ class TrainConfig:
         "resumed iteration and is appended to the run's history. `train.iterations`, logging and "
         "checkpoint intervals never need it.",
     )
+    lock_run_dir: bool = _f(
+        True,
+        "Hold an exclusive lock on `run_dir/.lock` for the whole run (and during `rallyrl check`): a second "
+        "job on the same `run_dir` is refused at once, before anything is written. Set it to false only on a "
+        "file system without working locks (the error says so), and then make sure yourself that one job at "
+        "a time uses the folder. See docs/troubleshooting.md.",
+    )
 
 
 @dataclass
@@ -396,6 +403,13 @@ class EvalConfig:
 class CheckpointConfig:
     interval: int = _f(0, "Save a checkpoint every N iterations (0 = off).")
     keep_last: int = _f(2, "How many checkpoints to keep.")
+    on_signal: bool = _f(
+        True,
+        "On SIGTERM or SIGUSR1 (a job scheduler's pre-emption or time-limit warning), every rank finishes the "
+        "current iteration, a checkpoint is written and the run exits with code 143; `train.resume: auto` then "
+        "continues exactly. False: SIGTERM stops at once (no checkpoint) and SIGUSR1 is not caught. "
+        "See docs/checkpoints.md.",
+    )
 
 
 @dataclass
@@ -552,6 +566,55 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader (plain data only: no tag ever constructs an object), plus: a key given twice in
+    one mapping is an error. PyYAML keeps the last value silently, so a config with `iterations: 1` and,
+    further down, `iterations: 3` would train 3 iterations without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` merges are allowed to override
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key (a list): the base class reports it
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(f"key {key!r} is given twice (lines {first} and {second}); keep one")
+        self.key, self.first, self.second = key, first, second
+
+
+def _yaml_error_line(e: yaml.YAMLError) -> str:
+    """A YAML error as one line: a duplicate key names both lines; a tag names the tag (safe loading never
+    constructs objects from tags such as `!!python/object`); a syntax error keeps its line and column."""
+    if isinstance(e, _DuplicateKey):
+        return str(e)
+    if isinstance(e, yaml.constructor.ConstructorError) and e.problem and "constructor for the tag" in e.problem:
+        tag = e.problem.split("tag", 1)[1].strip(" '")
+        where = f"line {e.problem_mark.line + 1}: " if e.problem_mark else ""
+        return (f"{where}the YAML tag {tag.replace('tag:yaml.org,2002:', '!!')!r} is not allowed (configs are "
+                f"plain data: mappings, lists, strings, numbers, booleans, null)")
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        what = "; ".join(x for x in (e.context, e.problem) if x)
+        return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else what
+    return " ".join(str(e).split())
+
+
+def load_yaml(text: str) -> Any:
+    """Strict YAML (see ``_StrictLoader``); raises ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     """``["ppo.lr=3e-4", "data.prompts=[a, b]"]`` -> dotted keys with YAML-parsed values."""
     out = []
@@ -560,9 +623,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         k, v = item.split("=", 1)
         try:
-            parsed = yaml.safe_load(v) if v != "" else ""
+            parsed = load_yaml(v) if v != "" else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"--set {k}: value {v!r} is not valid YAML: {e}") from None
+            raise ConfigError(f"--set {k}: value {v!r} is not valid YAML: {_yaml_error_line(e)}") from None
         out.append((k.strip(), parsed))
     return out
 
@@ -580,11 +643,13 @@ def load_config(source: Config | dict | str | Path | None = None, overrides: lis
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(read_text(path, "config file")) or {}
+            data = load_yaml(read_text(path, "config file"))
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_error_line(e)}") from None
+        data = {} if data is None else data  # an empty file: every default
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+            raise ConfigError(f"config file {path} must hold a mapping of sections (model:, train:, ...) at the "
+                              f"top level, not a {type(data).__name__}")
     data = _to_plain(data)
     for k, v in parse_overrides(overrides or []):
         _set_dotted(data, k, v)
@@ -902,7 +967,7 @@ FREE_TO_CHANGE = frozenset({
     "train.iterations", "train.run_dir", "train.log_rollouts", "train.tensorboard", "train.progress",
     "train.save_final", "train.num_threads", "train.overwrite", "train.resume", "train.allow_config_change",
     "train.report_to", "train.project", "train.run_name",
-    "checkpoint.interval", "checkpoint.keep_last", "dist.timeout_s",
+    "checkpoint.interval", "checkpoint.keep_last", "checkpoint.on_signal", "train.lock_run_dir", "dist.timeout_s",
     "reward.overlap",  # the same rewards, only scored beside generation: same results (tested)
 })
 

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from .errors import CollectiveTimeoutError, Failure, StageError
+from .errors import CollectiveTimeoutError, Failure, RunDirWriteError, StageError
 
 T = TypeVar("T")
 
@@ -101,6 +101,12 @@ def expected_world_size() -> int:
     """The world size this process will join: the launcher's ``WORLD_SIZE`` (torchrun, accelerate),
     known before the process group starts, so inputs are checked for it first."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def expected_rank() -> int:
+    """This process's global rank as its launcher set it (``RANK``; 0 without one), known before the
+    process group starts: the main rank takes the run-directory lock before anything heavy."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def local_world_size() -> int:
@@ -348,9 +354,25 @@ def agree(fn: Callable[[], T], error: type[StageError], *, main_only: bool = Fal
 
 
 def raise_failures(failures: Sequence[Failure | None], error: type[StageError], what: str | None = None) -> None:
-    """Raise ``error`` (identically on every rank: all ranks pass the same list) if any rank failed."""
-    if any(failures):
+    """Raise ``error`` (identically on every rank: all ranks pass the same list) if any rank failed. A
+    first failure that is rallyrl's own write to the run directory (``errors.writing``) is raised as the
+    ``RunDirWriteError`` it is, so the CLI prints its one line (path, OS reason, hint)."""
+    got = sorted((f for f in failures if f is not None), key=lambda f: f.rank)
+    if got:
+        if got[0].is_report and got[0].error_type == RunDirWriteError.__name__:
+            error = RunDirWriteError
         raise error.from_failures(failures, what)
+
+
+def any_stop(signum: int) -> int:
+    """Pre-emption: did any rank receive a stop signal (``checkpoint.on_signal``)? One all-reduce (max)
+    of one integer: a signal may reach one rank only, or ranks at different points of the iteration, and
+    every rank must stop after the same iteration. Returns the largest signal number seen (0: none)."""
+    if not is_distributed():
+        return signum
+    flag = torch.tensor([signum], dtype=torch.int64, device=_device())
+    tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 def shutdown() -> None:

@@ -10,10 +10,15 @@ This module imports nothing heavy (no torch): the CLI and ``import rallyrl`` use
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import re
 import signal
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 
@@ -97,6 +102,63 @@ class CollectiveTimeoutError(RuntimeError):
     """A rank waited longer than ``dist.timeout_s`` in a collective: a peer is stuck or dead."""
 
 
+class RunDirWriteError(StageError):
+    """rallyrl could not write its own run directory (a checkpoint, a log, ``final/``): a full disk, a
+    quota, permissions, a read-only file system. Reported as one line (the path, the OS reason, a hint);
+    the traceback is kept in ``traceback_text`` for ``RALLYRL_DEBUG=1``. Raised identically on every
+    rank when the write ran through ``dist.agree`` (checkpoints, ``final/``)."""
+
+    what = "writing the run directory"
+
+
+# What to do about the OS reasons a write fails with most often; anything else gets the generic hint.
+_SPACE = "free space on that file system (or raise the quota), or point train.run_dir to one with room"
+_ACCESS = "make train.run_dir writable by this user, or choose another train.run_dir"
+_IO_HINTS = {errno.ENOSPC: _SPACE, errno.EDQUOT: _SPACE, errno.EFBIG: _SPACE, errno.EACCES: _ACCESS,
+             errno.EPERM: _ACCESS, errno.EROFS: "the file system is read-only: choose a writable train.run_dir"}
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """``exc`` as an ``OSError``, or None when it is not an I/O failure. safetensors reports its own I/O
+    errors as ``SafetensorError("... I/O error: No space left on device (os error 28) at path ...")``,
+    not as an OSError: the errno and path are read back from that text."""
+    if isinstance(exc, OSError):
+        return exc
+    if type(exc).__name__ == "SafetensorError":
+        m = re.search(r"\(os error (\d+)\)", str(exc))
+        if m:
+            code = int(m.group(1))
+            at = re.search(r'at path "([^"]*)"', str(exc))
+            return OSError(code, os.strerror(code), at.group(1) if at else None)
+    return None
+
+
+def _rank_from_env() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str], what: str, note: str = "") -> Iterator[None]:
+    """Around rallyrl's own writes under the run directory: an I/O failure inside becomes one
+    ``RunDirWriteError`` line, "<what>: cannot write <file>: <OS reason> (<ERRNO>); <hint>[; note]",
+    instead of a traceback through safetensors or json internals. Anything else passes unchanged."""
+    try:
+        yield
+    except RunDirWriteError:
+        raise
+    except Exception as e:
+        err = os_error_of(e)
+        if err is None:
+            raise
+        where = err.filename if err.filename else path
+        code = errno.errorcode.get(err.errno or 0, "")
+        reason = (err.strerror or str(err)) + (f" ({code})" if code else "")
+        hint = _IO_HINTS.get(err.errno or 0, "check the file system of train.run_dir")
+        message = f"{what}: cannot write {Path(where)}: {reason}; {hint}" + (f"; {note}" if note else "")
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        raise RunDirWriteError(message, Failure(_rank_from_env(), type(e).__name__, str(e), tb)) from e
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM seen by the CLI's handler, delivered like Ctrl-C so the trainer stops the same
     way; the exit code is 128 + the signal."""
@@ -104,6 +166,18 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class Preempted(Interrupted):
+    """The run stopped itself after a SIGTERM or SIGUSR1 (``checkpoint.on_signal``): every rank finished
+    the same iteration and ``checkpoint`` was written. The exit code is 143 whichever signal it was (a
+    job scheduler reads 143 as "terminated on request")."""
+
+    def __init__(self, signum: int, iteration: int, checkpoint: Path) -> None:
+        super().__init__(signum)
+        self.iteration, self.checkpoint = iteration, checkpoint
+        self.exit_code = 128 + signal.SIGTERM
 
 
 _signals_received: list[int] = []  # by this process's CLI handler (``rallyrl train``), newest last
@@ -127,6 +201,26 @@ def raise_if_interrupted() -> None:
 
 def forget_interrupts() -> None:
     _signals_received.clear()
+    _stops_requested.clear()
+
+
+# Pre-emption (``checkpoint.on_signal``): SIGTERM and SIGUSR1 only ask the run to stop. The handler
+# records the signal and returns, so whatever this rank is doing (an update, a collective, a checkpoint
+# write) finishes untouched; the ranks agree once per iteration (``dist.any_stop``) and stop together
+# after the same iteration, with a checkpoint. A second signal is recorded the same way: the checkpoint
+# being written is finished, then the run exits. SIGKILL cannot be caught and stays what it is.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_stops_requested: list[int] = []
+
+
+def stop_requested(signum: int, frame: Any = None) -> None:
+    """The signal handler of ``checkpoint.on_signal``: remember the signal; the loop acts on it."""
+    _stops_requested.append(signum)
+
+
+def requested_stop() -> int:
+    """The first stop signal this process received (0 for none)."""
+    return _stops_requested[0] if _stops_requested else 0
 
 
 class TrackerError(StageError):

@@ -12,6 +12,12 @@ container stop) the workers kept running. This launcher keeps the job's life in 
   forwards it (and SIGTERM) to every worker's process group exactly once; a second signal, or workers
   still alive after ``STOP_TIMEOUT_S``, gets SIGKILL. The launcher returns only when no worker is left,
   and a worker whose launcher dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``);
+- with ``checkpoint.on_signal`` (``graceful``), SIGTERM and SIGUSR1 are a pre-emption: forwarded to every
+  worker as they are, every time (the workers only record them), with no SIGKILL after it: the workers
+  finish the iteration, write a checkpoint and exit 143, and so does the launcher. The scheduler's own
+  SIGKILL, or a second Ctrl-C, still ends a run that cannot stop;
+- the run-directory lock the launcher took (``tracking.RunDirLock``) is handed to the main rank as an
+  inherited file descriptor, so it is held for as long as either of them lives;
 - a failing worker does not print its error line: it writes it to a report file
   (``rallyrl.cli._report``); the launcher prints the first failure of all ranks once, names its rank
   and exits with that worker's code. A worker killed by a signal it was not sent (the OOM killer) is
@@ -41,8 +47,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPORT_DIR_ENV = "RALLYRL_REPORT_DIR"
+# The run-dir lock's descriptor, passed to global rank 0 as "<fd>:<lock file>" (``tracking.RunDirLock``).
+LOCK_FD_ENV = "RALLYRL_RUN_DIR_LOCK_FD"
 STOP_TIMEOUT_S = 30.0  # after SIGINT/SIGTERM: how long workers get to stop before SIGKILL
 FAIL_GRACE_S = 10.0  # after the first failure: how long the other ranks get to stop on their own
 _POLL_S = 0.05
@@ -132,10 +141,15 @@ def worker_env(nproc: int, nodes: Nodes, local_rank: int) -> dict[str, str]:
             "GROUP_RANK": str(nodes.node_rank), "NODE_RANK": str(nodes.node_rank)}
 
 
-def launch(module_args: list[str], nproc: int, nodes: Nodes | None = None) -> int:
+def launch(module_args: list[str], nproc: int, nodes: Nodes | None = None, lock: Any = None,
+           graceful: bool = False) -> int:
     """Run ``python -m <module_args>`` as ``nproc`` ranks of one job on this machine (this node's share
     of the job when ``nodes`` spans several); return the exit code (0, the first failing worker's code,
-    or 128 + the signal that stopped the job)."""
+    143 after a pre-emption stop, or 128 + the signal that stopped the job). ``lock``: the run-directory
+    lock (``tracking.RunDirLock``) this launcher holds, passed on to global rank 0. ``graceful``:
+    ``checkpoint.on_signal``."""
+    from .errors import STOP_SIGNALS
+
     nodes = nodes or Nodes()
     report_dir = Path(tempfile.mkdtemp(prefix="rallyrl-launch-"))
     base = dict(os.environ)
@@ -143,28 +157,39 @@ def launch(module_args: list[str], nproc: int, nodes: Nodes | None = None) -> in
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     base.update({"MASTER_ADDR": nodes.master_addr or "127.0.0.1",
                  "MASTER_PORT": str(nodes.master_port or _free_port()), REPORT_DIR_ENV: str(report_dir)})
-    stop: list[int] = []  # the signals received, in order
+    stop: list[int] = []  # the signals received, in order (not the pre-emption signals of a graceful run)
     stop_at: list[float] = []
+    preempted: list[int] = []  # SIGTERM/SIGUSR1 received with `graceful`
     sent_kill = False  # the SIGKILL after STOP_TIMEOUT_S / FAIL_GRACE_S, sent once
     workers: list[_Worker] = []
 
     def on_signal(signum: int, frame: object) -> None:
+        if graceful and signum in STOP_SIGNALS and not stop:
+            preempted.append(signum)
+            for w in workers:
+                if w.proc.poll() is None:
+                    _signal_group(w, signum)  # the worker records it; the ranks agree when to stop
+            return
         stop.append(signum)
         stop_at.append(time.monotonic())
         for w in workers:
             if w.proc.poll() is None:
                 _signal_group(w, signum if len(stop) == 1 else signal.SIGKILL)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    caught = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR1,) if graceful else ())
+    previous = {s: signal.signal(s, on_signal) for s in caught}
     me = os.getpid()
     try:
         for r in range(nproc):
             env = {**base, **worker_env(nproc, nodes, r)}
+            fds: tuple[int, ...] = ()
+            if lock is not None and nodes.node_rank * nproc + r == 0:
+                env[LOCK_FD_ENV], fds = f"{lock.fd}:{lock.path}", (lock.fd,)
             proc = subprocess.Popen([sys.executable, "-m", *module_args], env=env, start_new_session=True,
-                                    preexec_fn=lambda: _die_with(me))
+                                    preexec_fn=lambda: _die_with(me), pass_fds=fds)
             workers.append(_Worker(nodes.node_rank * nproc + r, proc))
-            if stop:  # a signal arrived while starting: the new worker gets it too
-                _signal_group(workers[-1], stop[0])
+            if stop or preempted:  # a signal arrived while starting: the new worker gets it too
+                _signal_group(workers[-1], (stop or preempted)[0])
         first_failure_at: float | None = None
         while True:
             now = time.monotonic()
@@ -189,6 +214,11 @@ def launch(module_args: list[str], nproc: int, nodes: Nodes | None = None) -> in
             return 128 + stop[0]
         if all(w.proc.returncode == 0 for w in workers):
             return 0
+        preempt_code = 128 + signal.SIGTERM
+        # (a worker the signal reached before it could catch it, still starting up, ends by the signal)
+        stopped = {0, preempt_code, *(-s for s in preempted)}
+        if all(w.proc.returncode in stopped for w in workers) and not _read_reports(report_dir):
+            return preempt_code  # every rank stopped after the same iteration, with a checkpoint
         for w in workers:  # anything a failed worker started and left behind
             try:
                 os.killpg(w.proc.pid, signal.SIGKILL)

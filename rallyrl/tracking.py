@@ -18,14 +18,21 @@ Trackio (``rallyrl.trackers``, each imported only when chosen).
 from __future__ import annotations
 
 import contextlib
+import datetime
+import errno
+import fcntl
+import functools
 import json
 import math
 import os
+import shlex
 import shutil
+import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,9 +42,12 @@ import yaml
 from . import dist
 from . import trackers
 from .callbacks import Callbacks
-from .config import (Change, Config, ConfigError, TrainConfig, config_changes, config_warnings, flat_config,
-                     format_changes)
-from .errors import CheckpointError, TrackerError
+from .config import (CheckpointConfig, Change, Config, ConfigError, TrainConfig, config_changes, config_warnings,
+                     flat_config, format_changes)
+from .errors import CheckpointError, Preempted, TrackerError, requested_stop, writing
+# `rallyrl train --nproc N`: the launcher takes the lock and hands its file descriptor to the main rank,
+# so the lock stays held while that rank lives even if the launcher is killed.
+from .launch import LOCK_FD_ENV
 
 if TYPE_CHECKING:
     from .rollout import Rollouts
@@ -50,6 +60,181 @@ OUTPUTS = {"config.yaml": False, "config_history.jsonl": False, "metrics.jsonl":
 
 class RunDirError(ConfigError):
     """The run directory cannot be used as asked (a user error: reported like a config error)."""
+
+
+class RunDirBusyError(RunDirError):
+    """Another job holds the run directory's lock: it is training (or checking) there right now."""
+
+
+# --------------------------------------------------------------------------------------------------
+# One run, one writer: the run-directory lock
+
+LOCK_FILE = ".lock"
+# flock's errors on a file system that has no working locks (NFS without lockd, Lustre without -o flock)
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``run_dir/.lock``, held by the main rank for the whole run.
+
+    The kernel releases a ``flock`` when the last descriptor of its open file is closed, the holder's
+    death included (SIGKILL, the OOM killer): a crashed run never leaves a stale lock, and the file
+    staying behind means nothing by itself. While held, the file records who holds it (host, pid, start
+    time, command) for the error a second job gets. ``flock`` is advisory: only rallyrl processes honour
+    it, which is what it is for."""
+
+    def __init__(self, path: Path, fd: int, created: list[Path] | None = None) -> None:
+        self.path, self.fd = path, fd
+        self.created = created or []  # folders that did not exist before this lock (innermost first)
+
+    @staticmethod
+    def acquire(run_dir: Path, create: bool = True) -> "RunDirLock | None":
+        """Take the lock of ``run_dir`` (creating the folder and the lock file), or raise
+        ``RunDirBusyError`` naming the holder, at once (never waits). ``create=False`` (``rallyrl
+        check``): a folder that does not exist, or cannot be written, has nothing to protect: None."""
+        run_dir = Path(run_dir)
+        if run_dir.exists() and not run_dir.is_dir():
+            return None  # check_start refuses it with its own line
+        path = run_dir / LOCK_FILE
+        inherited = RunDirLock._inherited(path)
+        if inherited is not None:
+            return inherited
+        if not create and not run_dir.is_dir():
+            return None
+        # The folders this lock creates: a start that fails before writing anything else (a bad resume
+        # choice, a model that does not load) removes them again on release, leaving no trace.
+        created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        for _ in range(10):
+            fd = RunDirLock._take(run_dir, path, create)
+            if fd is None:
+                return None
+            # The lock file may have been removed (``release``) between our open and our flock, by a
+            # holder that then let go: we would hold a lock on a file nobody else can see. Start again.
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:
+            raise RunDirError(f"train.run_dir {run_dir}: could not take the lock on {path} (it kept being removed)")
+        lock = RunDirLock(path, fd, created)
+        since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": since, "command": _command()}
+        with writing(path, "locking train.run_dir"):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        return lock
+
+    @staticmethod
+    def _take(run_dir: Path, path: Path, create: bool) -> int | None:
+        """Open ``path`` and flock it (non-blocking): the descriptor, None (``create=False`` and the folder
+        cannot be written), or ``RunDirBusyError`` / ``RunDirError`` (no working locks)."""
+        try:
+            with writing(run_dir, "locking train.run_dir"):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except Exception:
+            if create:
+                raise
+            return None  # a read-only check of a folder this user cannot write
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirBusyError(f"train.run_dir {run_dir} is in use by {RunDirLock._holder(path)}: wait for that "
+                                  f"job to end (or stop it), or choose another train.run_dir") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in _NO_LOCKS:
+                raise
+            raise RunDirError(
+                f"train.run_dir {run_dir} is on a file system without working file locks (flock: {e.strerror}): "
+                f"rallyrl cannot make sure one job at a time writes there. Use a file system with locks (a "
+                f"local disk; NFS with its lock service), or set train.lock_run_dir=false and make sure of "
+                f"it yourself") from None
+        return fd
+
+    @staticmethod
+    def _inherited(path: Path) -> "RunDirLock | None":
+        """The lock this process's launcher took for ``path`` and passed down (``LOCK_FD_ENV``), once."""
+        value = os.environ.get(LOCK_FD_ENV, "")
+        fd_text = value.partition(":")[0]
+        if not fd_text.isdigit():
+            return None
+        fd = int(fd_text)
+        try:  # the descriptor must be open on this very file (same device and inode)
+            st, want = os.fstat(fd), os.stat(path)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
+            return None
+        os.environ.pop(LOCK_FD_ENV)
+        os.set_inheritable(fd, False)  # not into a reward server this rank may start
+        return RunDirLock(path, fd)
+
+    @staticmethod
+    def _holder(path: Path) -> str:
+        """"pid P on host H since T (command)" from the lock file; the holder writes it right after it
+        took the lock, so an empty file is given a moment."""
+        for _ in range(20):
+            try:
+                info = json.loads(path.read_text(encoding="utf-8"))
+                return f"pid {info['pid']} on host {info['host']} since {info['since']} ({info['command']})"
+            except (OSError, ValueError, KeyError, TypeError):
+                time.sleep(0.05)
+        return "another process (it has not written its pid, host and start time yet)"
+
+    def release(self) -> None:
+        """Close this process's descriptor: the kernel drops the lock once no process holds it (a launcher
+        and its main rank share one). If this lock created the run directory and nothing but the lock
+        file is in it (the start failed before writing anything), the file and the folders go first,
+        while the lock is still held (a concurrent taker notices, see ``acquire``)."""
+        if self.fd < 0:
+            return
+        run_dir = self.path.parent
+        if self.created and run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+                for folder in self.created:
+                    folder.rmdir()  # only empty ones: stops at the first folder that holds anything
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _command() -> str:
+    """This process's command line as the user typed it: ``rallyrl train c.yaml`` rather than the path
+    of ``rallyrl/cli.py`` that ``python -m rallyrl.cli`` (a launcher's worker, a test) leaves in argv."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("rallyrl", "cli.py", "__main__.py"):
+        argv[0] = "rallyrl"
+    return shlex.join(argv)
+
+
+_held_locks: list[RunDirLock] = []  # taken inside the innermost ``holding_run_dir_locks`` block
+
+
+@contextlib.contextmanager
+def holding_run_dir_locks() -> Iterator[list[RunDirLock]]:
+    """Run-directory locks taken inside the block (``RunDir.check_start(lock=True)``) are released when
+    it ends, however it ends. Yields the list of those locks."""
+    depth = len(_held_locks)
+    try:
+        yield _held_locks
+    finally:
+        while len(_held_locks) > depth:
+            _held_locks.pop().release()
+
+
+def releases_run_dir_lock(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator (``train()``): the run-directory lock it takes is released when it returns or raises."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        with holding_run_dir_locks():
+            return fn(*args, **kwargs)
+
+    return inner
 
 
 def _clean(v: Any) -> Any:
@@ -113,14 +298,39 @@ class RunDir:
 
     # --- may a run start here? (every rank, before anything heavy) -------------------------------
     @staticmethod
-    def check_start(path: Path, cfg: Config, eval_steps: list[int]) -> "RunDir":
+    def check_start(path: Path, cfg: Config, eval_steps: list[int], lock: bool = False,
+                    dry_run: bool = False) -> "RunDir":
         """The run directory, once it is decided whether this is a fresh start or a resume, with what
         would mix two runs, replace a user's file or silently change a resumed run refused (with the fix).
-        Read-only: every rank (and the launcher, before any worker) may call it."""
+        Read-only: every rank (and the launcher, before any worker) may call it.
+
+        ``lock``: first take the run directory's lock (``RunDirLock``; on the main rank only, and unless
+        ``train.lock_run_dir`` is false), held until the enclosing ``holding_run_dir_locks`` block ends:
+        a second job is refused before anything is read or written. ``dry_run`` (``rallyrl check``):
+        the lock is taken only if the folder exists, and nothing is created."""
+        if lock:
+            RunDir.lock(Path(path), cfg, create=not dry_run)
         run_dir = RunDir(path)
         run_dir._check_start(cfg, eval_steps)
         run_dir.cfg = cfg  # for final/README.md
         return run_dir
+
+    @staticmethod
+    def lock(path: Path, cfg: Config, create: bool = True) -> None:
+        """Take ``path``'s lock now (main rank; a no-op when this process already holds it or
+        ``train.lock_run_dir`` is false), held until the enclosing ``holding_run_dir_locks`` block ends.
+        ``create=False``: only if the folder exists (a job already running there is refused before the
+        inputs are read; a new folder is created only once the inputs are known to be good)."""
+        if not cfg.train.lock_run_dir or dist.expected_rank() != 0:
+            return
+        lock_file = Path(path) / LOCK_FILE
+        for held in _held_locks:
+            with contextlib.suppress(OSError):
+                if lock_file.exists() and os.path.samefile(held.path, lock_file):
+                    return
+        got = RunDirLock.acquire(Path(path), create=create)
+        if got is not None:
+            _held_locks.append(got)
 
     def _check_start(self, cfg: Config, eval_steps: list[int]) -> None:
         train = cfg.train
@@ -192,32 +402,8 @@ class RunDir:
         Every rank waits here."""
         writer = None
         if dist.is_main():
-            self.path.mkdir(parents=True, exist_ok=True)
-            if resumed_from is None:
-                self.clear_own()
-                self.write_file("config.yaml", cfg.to_yaml())
-            else:
-                # Resuming says this folder holds the run: its outputs are rallyrl's (a run written before
-                # the manifest existed, or a checkpoint copied elsewhere, is adopted here).
-                for name, is_dir in OUTPUTS.items():
-                    if (self.path / name).exists():
-                        self.record(name, is_dir or (self.path / name).is_dir())
-                changes = self.changes
-                if not (self.path / "config.yaml").exists():
-                    self.write_file("config.yaml", cfg.to_yaml())
-                    changes = []  # the config just written is the one in use
-                resized = was_world_size is not None and was_world_size != dist.world_size()
-                if changes or resized:
-                    row: dict[str, Any] = {"iteration": iteration, "checkpoint": str(resumed_from),
-                                           "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in changes]}
-                    if resized:
-                        # Not a config key (recorded_config replays only "changes"): the process count is
-                        # a launch setting, but the record must say where exactness ended.
-                        row["world_size"] = {"old": was_world_size, "new": dist.world_size()}
-                        row["bit_identical"] = False
-                    with open(self.claim("config_history.jsonl"), "a", encoding="utf-8") as f:
-                        f.write(json.dumps(row) + "\n")
-            writer = RunWriter(self, cfg, resuming=resumed_from is not None)
+            with writing(self.path, "starting the run"):
+                writer = self._open(cfg, resumed_from, iteration, was_world_size)
         dist.barrier()
 
         def start_trackers() -> None:
@@ -230,6 +416,34 @@ class RunDir:
 
         dist.agree(start_trackers, TrackerError, main_only=True, what="starting the trackers (train.report_to)")
         return writer
+
+    def _open(self, cfg: Config, resumed_from: Path | None, iteration: int, was_world_size: int | None) -> "RunWriter":
+        self.path.mkdir(parents=True, exist_ok=True)
+        if resumed_from is None:
+            self.clear_own()
+            self.write_file("config.yaml", cfg.to_yaml())
+        else:
+            # Resuming says this folder holds the run: its outputs are rallyrl's (a run written before
+            # the manifest existed, or a checkpoint copied elsewhere, is adopted here).
+            for name, is_dir in OUTPUTS.items():
+                if (self.path / name).exists():
+                    self.record(name, is_dir or (self.path / name).is_dir())
+            changes = self.changes
+            if not (self.path / "config.yaml").exists():
+                self.write_file("config.yaml", cfg.to_yaml())
+                changes = []  # the config just written is the one in use
+            resized = was_world_size is not None and was_world_size != dist.world_size()
+            if changes or resized:
+                row: dict[str, Any] = {"iteration": iteration, "checkpoint": str(resumed_from),
+                                       "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in changes]}
+                if resized:
+                    # Not a config key (recorded_config replays only "changes"): the process count is
+                    # a launch setting, but the record must say where exactness ended.
+                    row["world_size"] = {"old": was_world_size, "new": dist.world_size()}
+                    row["bit_identical"] = False
+                with open(self.claim("config_history.jsonl"), "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+        return RunWriter(self, cfg, resuming=resumed_from is not None)
 
     def clear_own(self) -> None:
         """Remove exactly what the manifest lists (rallyrl's outputs), nothing else."""
@@ -293,16 +507,41 @@ class RunDir:
                 keep = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
                         if line.strip() and json.loads(line)["step"] <= last_step]
                 tmp = path.with_suffix(path.suffix + ".tmp")
-                tmp.write_text("".join(keep), encoding="utf-8")
-                os.replace(tmp, path)
+                with writing(tmp, "resuming the logs"):
+                    tmp.write_text("".join(keep), encoding="utf-8")
+                    os.replace(tmp, path)
         dist.barrier()
 
     # --- checkpoints and final/ (collective) -----------------------------------------------------
+    def checkpoint(self, step: int, policy: Any, learner: Any, state: Any, ckpt: CheckpointConfig,
+                   stopping: bool = False) -> None:
+        """Stage 7 (collective): a checkpoint every ``checkpoint.interval`` iterations, then, with
+        ``checkpoint.on_signal``, the pre-emption check. The ranks agree (one all-reduce of one number)
+        whether any of them received SIGTERM or SIGUSR1; if so, every rank writes the checkpoint of this
+        iteration (unless it was just written) and raises ``Preempted``: all stop after the same
+        iteration, and ``train.resume: auto`` continues exactly from there. A signal that arrives while a
+        checkpoint is being written is seen here, once the write is complete. ``stopping`` (a callback's
+        "stop", already agreed by every rank): the run ends after this iteration, so with checkpoints on
+        this iteration's is written too (the run stays resumable)."""
+        due = bool(ckpt.interval) and (step % ckpt.interval == 0 or stopping)
+        path = self.save_checkpoint(step, policy, learner, state, ckpt.keep_last) if due else None
+        if not ckpt.on_signal:
+            return
+        signum = dist.any_stop(requested_stop())
+        if signum:
+            path = path or self.save_checkpoint(step, policy, learner, state, ckpt.keep_last)
+            raise Preempted(signum, step, path)
+
     def save_checkpoint(self, step: int, policy: Any, learner: Any, state: Any, keep_last: int) -> Path:
         from .checkpoint import save_checkpoint
 
-        if dist.is_main() and not (self.path / "checkpoints").exists():
-            self.claim("checkpoints", is_dir=True)
+        def claim_folder() -> None:  # the first checkpoint: the folder is listed in the manifest first
+            if not (self.path / "checkpoints").exists():
+                with writing(self.path / "checkpoints", f"saving checkpoint step_{step}"):
+                    self.claim("checkpoints", is_dir=True)
+
+        # through agree: a failure on the main rank stops every rank here, not in a later collective
+        dist.agree(claim_folder, CheckpointError, main_only=True)
         return save_checkpoint(self.path, step, policy, learner.optimizer,
                                {**state.state_dict(), "scheduler": learner.scheduler_state()},
                                state.shuffle_gen, keep_last)
@@ -317,19 +556,20 @@ class RunDir:
         full = dist.full_state_dict(policy)  # collective under FSDP; None when every rank holds it all
 
         def save() -> None:
-            out = self.claim("final", is_dir=True)
-            from transformers.utils import logging as hf_logging
+            with writing(self.path / "final", f"saving {self.path / 'final'}"):
+                out = self.claim("final", is_dir=True)
+                from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()
-            policy.save_pretrained(out) if full is None else policy.save_pretrained(out, state_dict=full)
-            tokenizer.save_pretrained(out)
-            if self.cfg is not None:
-                from .card import model_card
+                hf_logging.disable_progress_bar()
+                policy.save_pretrained(out) if full is None else policy.save_pretrained(out, state_dict=full)
+                tokenizer.save_pretrained(out)
+                if self.cfg is not None:
+                    from .card import model_card
 
-                r = result or TrainResult(self.path)
-                (out / "README.md").write_text(model_card(
-                    self.cfg, r.iterations, r.metrics[-1] if r.metrics else {}, r.eval_before, r.eval_after,
-                    r.stopped_by, dist.world_size()), encoding="utf-8")
+                    r = result or TrainResult(self.path)
+                    (out / "README.md").write_text(model_card(
+                        self.cfg, r.iterations, r.metrics[-1] if r.metrics else {}, r.eval_before, r.eval_after,
+                        r.stopped_by, dist.world_size()), encoding="utf-8")
 
         dist.agree(save, CheckpointError, main_only=True, what=f"saving {self.path / 'final'}")
 
@@ -366,6 +606,9 @@ class MetricsFile:
 
 
 class RunWriter:
+    """The main rank's log files and trackers. Every write of rallyrl's own files goes through
+    ``errors.writing``: a full disk or a permission problem is one line naming the file, not a traceback."""
+
     def __init__(self, run_dir: RunDir, cfg: Config, resuming: bool = False) -> None:
         self.run_dir = run_dir
         self._rollouts = open(run_dir.claim("rollouts.jsonl"), "a", encoding="utf-8")
@@ -384,7 +627,8 @@ class RunWriter:
             self._started.append(t)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._metrics.log(step, metrics)
+        with writing(self.run_dir.path / "metrics.jsonl", "logging metrics"):
+            self._metrics.log(step, metrics)
         for t in [t for t in self._started if t is not self._metrics]:
             try:
                 t.log(step, metrics)
@@ -396,21 +640,25 @@ class RunWriter:
                       f"{e}); it logs nothing more in this run (metrics.jsonl has every iteration)", file=sys.stderr)
 
     def log_rollouts(self, records: list[dict[str, Any]]) -> None:
-        for r in records:
-            self._rollouts.write(_text_line(json.dumps({k: _clean(v) for k, v in r.items()}, ensure_ascii=False,
-                                                       allow_nan=False)))
-        self._rollouts.flush()
+        with writing(self._rollouts.name, "logging rollouts"):
+            for r in records:
+                self._rollouts.write(_text_line(json.dumps({k: _clean(v) for k, v in r.items()},
+                                                           ensure_ascii=False, allow_nan=False)))
+            self._rollouts.flush()
 
     def log_eval_samples(self, step: int, records: list[dict[str, Any]]) -> None:
-        if not (self.run_dir.path / "eval").exists():
-            self.run_dir.claim("eval", is_dir=True)
-        with open(self.run_dir.claim(f"eval/step_{step}.jsonl"), "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(_text_line(json.dumps(r, ensure_ascii=False)))
+        path = self.run_dir.path / f"eval/step_{step}.jsonl"
+        with writing(path, "logging eval samples"):
+            if not (self.run_dir.path / "eval").exists():
+                self.run_dir.claim("eval", is_dir=True)
+            with open(self.run_dir.claim(f"eval/step_{step}.jsonl"), "w", encoding="utf-8") as f:
+                for r in records:
+                    f.write(_text_line(json.dumps(r, ensure_ascii=False)))
 
     def close(self) -> None:
-        self._rollouts.close()
-        self._metrics.close()
+        with writing(self.run_dir.path, "closing the logs"):
+            self._rollouts.close()
+            self._metrics.close()
         for t in self._started:
             if t is not self._metrics:
                 try:
@@ -494,10 +742,14 @@ class RunLog:
             self.close()  # before the trainer's try: the trackers end here, as failed
             raise
 
-    def interrupted(self, completed: int, newest: Path | None) -> None:
-        """Ctrl-C: close the bar first so the line stands on its own, then say how to continue."""
+    def interrupted(self, completed: int, newest: Path | None, stop: BaseException | None = None) -> None:
+        """Ctrl-C: close the bar first so the line stands on its own, then say how to continue. A
+        pre-emption stop (``Preempted``) names the checkpoint it wrote."""
         self.close()
-        if newest is None:
+        if isinstance(stop, Preempted):
+            self.say(f"rallyrl: stopped by {signal.Signals(stop.signum).name} after iteration {stop.iteration}; "
+                     f"checkpoint {stop.checkpoint} written; continue with --set train.resume=auto (or latest)")
+        elif newest is None:
             self.say(f"rallyrl: interrupted at iteration {completed + 1}; no checkpoint to resume from "
                      f"(set checkpoint.interval to make runs resumable)")
         else:

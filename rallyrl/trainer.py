@@ -40,7 +40,7 @@ from .reward.step import RewardStep, Samples, StepStats
 from .rollout import Advantages, Rollouts, Shard, generate, score_tokens
 from .seeding import seed_everything, stream_seed
 from .state import Learner, TrainState
-from .tracking import RunDir, RunLog, TrainResult
+from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
 
@@ -264,6 +264,7 @@ def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: 
 # The recipe
 
 
+@releases_run_dir_lock  # the run-dir lock (main rank, RunDir.check_start) ends with this call, however it ends
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
           prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
@@ -274,7 +275,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
-    run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals))  # before anything heavy
+    run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals), lock=True)  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding, cfg.train.mixed_precision)
     # `reward.server: local`: rank 0 spawns its server now (it starts up while the models load); it
     # stops, and background reward threads end, however the block is left
@@ -309,17 +310,17 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                     metrics |= run_eval(step)
                 state.iteration = step
                 stop = log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})  # callbacks
-                # 7. checkpoint (collective; atomic; a failure on any rank stops every rank)
-                if cfg.checkpoint.interval and (step % cfg.checkpoint.interval == 0 or stop):
-                    run_dir.save_checkpoint(step, models.policy, learner, state, cfg.checkpoint.keep_last)
+                # 7. checkpoint (collective; atomic; a failure on any rank stops every rank); a SIGTERM/SIGUSR1
+                # on any rank stops every rank here, after a checkpoint of this iteration (checkpoint.on_signal)
+                run_dir.checkpoint(step, models.policy, learner, state, cfg.checkpoint, stopping=stop)
                 if stop:  # a callback's "stop", broadcast: every rank leaves after this iteration
                     break
             log.close()
             if cfg.train.save_final:
                 run_dir.save_final(models.policy, models.tokenizer, log.result)
             dist.barrier()  # every rank leaves together (a peer still receiving the last broadcast must not see us go)
-        except KeyboardInterrupt:
-            log.interrupted(state.iteration, run_dir.newest_checkpoint())
+        except KeyboardInterrupt as stop:
+            log.interrupted(state.iteration, run_dir.newest_checkpoint(), stop)
             raise
         finally:
             log.close()

@@ -14,7 +14,9 @@ Robustness, in the terms of the failures other clients have:
 - every request has a timeout (``timeout_s``, per attempt); a connection error, a timeout, a 5xx, a
   408/429, a body that is not JSON or a wrong number of rewards is retried ``retries`` times with
   exponential backoff and full jitter (drawn from a private RNG: the training RNG streams are never
-  touched); a 4xx that retrying cannot fix (401, 413, 422, ...) fails at once with the server's message;
+  touched); a 4xx that retrying cannot fix (401, 413, 422, ...) fails at once with the server's message
+  (a 413 also names the two settings that decide it: ``reward.batch_size`` and the server's
+  ``--max-body-mb``);
 - after the last attempt the error names the URL, the number of attempts and the last failure; raised
   inside the reward step, it becomes the collective ``RewardError`` on every rank;
 - with several URLs one batch is split over the live servers (contiguous parts, least-loaded server
@@ -231,6 +233,11 @@ class RemoteReward:
         except httpx.TransportError as e:
             raise _Retryable(f"{type(e).__name__}: {e}") from None
         detail = _error_text(r)
+        if r.status_code == 413:  # retrying the same body cannot help: say which two settings decide it
+            raise RemoteRewardError(
+                f"reward server {server.url}: HTTP 413: {detail}: a request of {n} sample(s) "
+                f"({len(body) / 2**20:.2f} MiB) is over the server's body limit; lower reward.batch_size (the "
+                f"samples per reward call, hence per request) or start the server with a larger --max-body-mb")
         if r.status_code >= 500 or r.status_code in _RETRY_STATUS:
             raise _Retryable(f"HTTP {r.status_code}: {detail}")
         if r.status_code != 200:

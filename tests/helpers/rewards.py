@@ -254,3 +254,54 @@ def swallows_ctrl_c(samples, prompts, outputs, **kwargs):
 def constant(samples, prompts, outputs, **kwargs):
     """The same score for every sample: every group of completions has zero spread."""
     return [0.5 for _ in samples]
+
+
+def signalling(**_unused):
+    """A factory (``reward.fn`` with any ``reward.kwargs``) of `hashed` that, when RALLYRL_TEST_SIGNAL is
+    set, makes ONE rank send itself a pre-emption signal at a chosen point of the run, as a job
+    scheduler would (tests/dist/test_preemption.py). RALLYRL_TEST_SIGNAL = "<where>:<rank>:<iteration>":
+
+    - ``update:R:N``: rank R gets SIGTERM as it starts the PPO update of iteration N;
+    - ``checkpoint:R:N``: rank R gets SIGUSR1 and then SIGTERM (a second signal) in the middle of writing
+      checkpoint step_N (after its first file).
+
+    Built on every rank (and in the launcher's pre-flight check, which has no RANK: nothing happens
+    there); it wraps rallyrl's own functions, so the signal lands inside the real code path."""
+    spec = os.environ.get("RALLYRL_TEST_SIGNAL")
+    if spec and "RANK" in os.environ:
+        where, rank, step = spec.split(":")
+        if int(rank) == _rank():
+            _arm(where, int(step))
+    return hashed
+
+
+def _arm(where: str, step: int) -> None:
+    import rallyrl.checkpoint as ckpt
+    import rallyrl.trainer as trainer
+
+    if where == "update":
+        original_update = trainer.ppo_update
+
+        def ppo_update(*args, **kwargs):
+            state = next(a for a in (*args, *kwargs.values()) if type(a).__name__ == "TrainState")
+            if state.iteration + 1 == step:  # state.iteration is the last completed iteration
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original_update(*args, **kwargs)
+
+        trainer.ppo_update = ppo_update
+    elif where == "checkpoint":
+        original_save = ckpt._save_split
+        fired = []
+
+        def save_split(base, obj):
+            out = original_save(base, obj)
+            if base.parent.name == f".tmp_step_{step}" and not fired:
+                fired.append(True)
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+
+        ckpt._save_split = save_split
+    else:
+        raise ValueError(f"RALLYRL_TEST_SIGNAL: unknown point {where!r}")

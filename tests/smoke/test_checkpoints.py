@@ -133,3 +133,37 @@ def test_split_join_roundtrip_keeps_types():
     back = join_tensors(json.loads(json.dumps(meta)), tensors)
     assert list(back["state"]) == [0] and torch.equal(back["state"][0]["m"], torch.ones(2))
     assert back["groups"] == [{"lr": 1e-3, "params": [0]}] and back["py"] == (3, [1, 2], None)
+
+
+def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tiny_model, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A real run whose second checkpoint write fails the way safetensors reports ENOSPC: one line (the
+    path, the OS reason, the hint), exit 2, no traceback; step_1 stays the newest complete checkpoint."""
+    from safetensors import SafetensorError
+
+    import rallyrl.checkpoint as ckpt
+    from rallyrl.cli import main
+    from tests.helpers.runs import write_config
+
+    calls = []
+    real_save_model = ckpt.save_model
+
+    def save_model(model, filename):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save_model(model, filename)
+
+    monkeypatch.setattr(ckpt, "save_model", save_model)
+    run_dir = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", base_config(tiny_model, run_dir, train={"iterations": 3},
+                                                        checkpoint={"interval": 1}))
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    tmp = run_dir / "checkpoints" / ".tmp_step_2"
+    assert err[-1] == (f"rallyrl: error: saving checkpoint {run_dir / 'checkpoints' / 'step_2'}: cannot write {tmp}: "
+                       f"No space left on device (ENOSPC); free space on that file system (or raise the quota), or "
+                       f"point train.run_dir to one with room; the last complete checkpoint is intact"), err
+    assert not any("Traceback" in line or "safetensors" in line for line in err)
+    assert [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")] == ["step_1"]
+    ckpt.verify_checkpoint(run_dir / "checkpoints" / "step_1")

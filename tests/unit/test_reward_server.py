@@ -262,3 +262,19 @@ def test_fuzz_no_500_on_bad_input(fuzz_client, raw, path):
     assert r.status_code in (200, 400, 413, 422), (r.status_code, r.text, raw)
     if r.status_code != 200:
         assert r.json()["field"] is not None and r.json()["error"]
+
+
+def test_the_clients_413_names_reward_batch_size_and_max_body_mb(served):
+    """What the trainer reports when a batch is over the server's body limit: the two settings to change."""
+    from rallyrl.reward.client import RemoteReward, RemoteRewardError
+
+    c, fn, _ = served
+    remote = RemoteReward("http://testserver", retries=2, backoff_s=0.0)
+    remote._client = c  # FastAPI's TestClient is an httpx.Client: the real request path, no socket
+    prompts, outputs = ["a" * 3000, "b" * 3000], ["x", "y"]
+    with pytest.raises(RemoteRewardError) as e:
+        remote([p + o for p, o in zip(prompts, outputs)], prompts, outputs, output_token_ids=[[1], [2]])
+    msg = str(e.value)
+    assert "HTTP 413" in msg and "4096 bytes" in msg and "2 sample(s)" in msg, msg
+    assert "lower reward.batch_size" in msg and "--max-body-mb" in msg, msg
+    assert len(remote.failed_attempts) == 0 and fn.calls == []  # not retried: the same body cannot fit
