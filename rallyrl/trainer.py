@@ -269,17 +269,15 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
           prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
           callbacks: Sequence[Any] | None = None) -> TrainResult:
-    """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``); shaped like ``trlx.train``; every rank calls it. ``reward_fn``,
-    ``prompts``, ``eval_prompts`` and ``metric_fn`` override ``reward.fn``, ``data.*`` and ``eval.metric_fn``
-    (a reward or metric function has the trlx signature ``fn(samples, prompts, outputs, **kwargs)``)."""
+    """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``), like ``trlx.train``; every rank
+    calls it. ``reward_fn``, ``prompts``, ``eval_prompts``, ``metric_fn`` override ``reward.fn``, ``data.*``,
+    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); callbacks: docs/tracking.md."""
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if inp.eval_records else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals), lock=True)  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding, cfg.train.mixed_precision)
-    # `reward.server: local`: rank 0 spawns its server now (it starts up while the models load); it
-    # stops, and background reward threads end, however the block is left
-    with _reward_host(cfg, inp) as reward_step:
+    with _reward_host(cfg, inp) as reward_step:  # a `reward.server: local` starts now, stops however this ends
         models, learner, state = _build(cfg, inp, device)
         resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
@@ -310,8 +308,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                     metrics |= run_eval(step)
                 state.iteration = step
                 stop = log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})  # callbacks
-                # 7. checkpoint (collective; atomic; a failure on any rank stops every rank); a SIGTERM/SIGUSR1
-                # on any rank stops every rank here, after a checkpoint of this iteration (checkpoint.on_signal)
+                # 7. checkpoint (collective, atomic); SIGTERM/SIGUSR1 on any rank: all stop here (checkpoint.on_signal)
                 run_dir.checkpoint(step, models.policy, learner, state, cfg.checkpoint, stopping=stop)
                 if stop:  # a callback's "stop", broadcast: every rank leaves after this iteration
                     break
