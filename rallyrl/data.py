@@ -187,7 +187,8 @@ class ArrowTable(PromptTable):
 
 def open_prompts(source: str | Path | list[Any], what: str = "data.prompts", prompt_column: str = "prompt",
                  split: str = "train", subset: str | None = None) -> PromptTable:
-    """The prompt store of ``data.prompts`` / ``data.eval_prompts`` (``what`` names it in errors).
+    """The prompt store of ``data.prompts`` / ``data.eval_prompts`` (``what`` names it in errors); the
+    Python API may also pass a ``datasets.Dataset`` / ``DatasetDict``.
 
     An inline list: Python records, every row checked now (``load_prompts``). A file (``.jsonl``,
     ``.json`` holding a list of objects, ``.csv``, ``.parquet``, ``.txt``), a folder written by
@@ -198,6 +199,15 @@ def open_prompts(source: str | Path | list[Any], what: str = "data.prompts", pro
     lines skipped), so the shared prompt order is unchanged."""
     if isinstance(source, list):
         return ListTable(load_prompts(source, what, prompt_column), what)
+    if type(source).__module__.split(".")[0] == "datasets":  # train(prompts=Dataset or DatasetDict), as in TRL
+        ds_mod = _datasets()
+        if isinstance(source, ds_mod.DatasetDict):
+            if split not in source:
+                key = "data.eval_split" if "eval" in what else "data.split"
+                raise DataError(f"{what}: the DatasetDict has no split '{split}' (it has {sorted(source)}); set {key}")
+            source = source[split]
+        if isinstance(source, ds_mod.Dataset):
+            return _arrow_table(source, what, "the Dataset", prompt_column)
     if not isinstance(source, (str, Path)):
         raise DataError(f"{what}: expected a path, a data set name or a list, got {type(source).__name__}")
     path = Path(source).expanduser()

@@ -269,7 +269,8 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``); shaped like ``trlx.train``; every rank calls it. ``reward_fn``,
     ``prompts``, ``eval_prompts`` and ``metric_fn`` override ``reward.fn``, ``data.*`` and ``eval.metric_fn``
-    (a reward or metric function has the trlx signature ``fn(samples, prompts, outputs, **kwargs)``)."""
+    (a reward or metric function has the trlx signature ``fn(samples, prompts, outputs, **kwargs)``; prompts:
+    a list, a path or data set name, or a ``datasets.Dataset``: docs/data.md)."""
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()

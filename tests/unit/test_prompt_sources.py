@@ -61,6 +61,14 @@ def test_a_dataset_dict_folder_picks_the_split(tmp_path):
         open_prompts(str(tmp_path / "dd"), "data.eval_prompts", split="validation")
 
 
+def test_a_dataset_object_from_the_python_api():
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    assert _all(open_prompts(ds, "prompts")) == ROWS
+    assert _all(open_prompts(datasets.DatasetDict({"test": ds}), "eval_prompts", split="test")) == ROWS
+
+
 def test_prompt_column(tmp_path):
     rows = [{"question": r["prompt"], "answer": r["answer"]} for r in ROWS]
     for fmt in ("csv", "jsonl"):
