@@ -145,6 +145,21 @@ def run_once(code: Path, work: Path, data: Path, label: str) -> dict:
     return res
 
 
+def table(rows: list[dict]) -> str:
+    """The docs/data.md table: one line per (code, format, phase, size)."""
+    out = ["| code | format | phase | prompts | start-up (s) | peak RSS per rank (MiB) | launcher peak (MiB) | "
+           "load (1 min) |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["rc"]:
+            head = f"| {r['code']} | {r['format']} | {r['phase']} | {r['prompts']:,} |"
+            out.append(f"{head} failed (rc {r['rc']}) | | | |")
+            continue
+        ranks = " / ".join(f"{m:.0f}" for m in r["rank_peak_mib"])
+        out.append(f"| {r['code']} | {r['format']} | {r['phase']} | {r['prompts']:,} | {r['startup_s']:.1f} | "
+                   f"{ranks} | {r['launcher_peak_mib']:.0f} | {r['load_1m']:.1f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
@@ -154,8 +169,12 @@ def main() -> None:
     ap.add_argument("--label", default="after")
     ap.add_argument("--work", type=Path, default=Path("/tmp/rallyrl_prompt_scale"))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--table", type=Path, nargs="+", help="print the markdown table of these result files")
     ap.add_argument("--_measure", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table:
+        print(table([row for f in args.table for row in json.loads(f.read_text())]))
+        return
     if args._measure:
         spec = json.loads(args._measure)
         print(json.dumps(measure(spec["cmd"], spec["env"], Path(spec["cwd"]))))

@@ -294,8 +294,9 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 t_iter = time.perf_counter()
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
                 # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
-                ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, _next_shard(plan, state, inp.train_set),
-                                                     cfg.generation, cfg.generation.do_sample, device,
+                shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
+                ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, shard, cfg.generation,
+                                                     cfg.generation.do_sample, device,
                                                      cfg.rollout.logprobs_from == "generate")
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)

@@ -127,7 +127,8 @@ def test_jsonl_and_txt_keep_their_rows(tmp_path):
         assert [r["prompt"] for r in _all(table)] == [r["prompt"] for r in load_prompts(str(path))]
     mixed = tmp_path / "m.jsonl"  # a string and a conversation in one column: valid before, still valid
     mixed.write_text('{"prompt": "a"}\n{"prompt": [{"role": "user", "content": "b"}]}\n')
-    assert isinstance(open_prompts(str(mixed)), ListTable) and _all(open_prompts(str(mixed))) == load_prompts(str(mixed))
+    table = open_prompts(str(mixed))
+    assert isinstance(table, ListTable) and _all(table) == load_prompts(str(mixed))
     ff = tmp_path / "f.txt"  # a form feed: str.splitlines breaks there, datasets does not
     ff.write_text("a\fb\nc\n")
     assert [r["prompt"] for r in _all(open_prompts(str(ff)))] == ["a", "b", "c"]
