@@ -338,6 +338,47 @@ def _load_hub(name: str, subset: str | None, split: str, what: str) -> Any:
     return ds
 
 
+def _user_row(row: int, ds: Any, row_map: np.ndarray | None) -> int | None:
+    """A row of the Arrow table as the user counts rows (through an indices mapping and the row map);
+    None when the table row is not one of them."""
+    for mapping in (ds._indices.column(0).to_numpy() if ds._indices is not None else None, row_map):
+        if mapping is not None:
+            hit = np.flatnonzero(np.asarray(mapping) == row)
+            if not len(hit):
+                return None
+            row = int(hit[0])
+    return row
+
+
+def _check_message_structs(column: Any, ds: Any, row_map: np.ndarray | None, what: str, where: str) -> None:
+    """Conversations typed as lists of ``{role, content, ...}`` structs (every message has the same keys),
+    checked vectorised: an empty conversation, a message without a role or content. (Messages whose keys
+    differ are stored as JSON by datasets; those are checked when drawn.)"""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    offset = 0
+    for chunk in column.chunks:
+        if isinstance(chunk, pa.ExtensionArray) or not pa.types.is_struct(chunk.type.value_type):
+            return
+        problems = []
+        empty = np.flatnonzero(np.asarray(pc.equal(pc.list_value_length(chunk), 0).fill_null(False)))
+        if len(empty):
+            problems.append((int(empty[0]), "the list of chat messages is empty"))
+        flat, parents = pc.list_flatten(chunk), np.asarray(pc.list_parent_indices(chunk))
+        for name in ("role", "content"):
+            bad = np.flatnonzero(np.asarray(pc.is_null(flat.field(name))))
+            if len(bad):
+                pos = int(bad[0])
+                j = pos - int(np.searchsorted(parents, parents[pos]))  # the message's index in its list
+                problems.append((int(parents[pos]), f"chat message {j} has no '{name}'"))
+        for row, msg in sorted(problems):
+            user_row = _user_row(offset + row, ds, row_map)
+            if user_row is not None:
+                raise DataError(f"{what}: {where} row {user_row}: {msg}")
+        offset += len(chunk)
+
+
 def _is_chat_feature(feature: Any) -> bool | None:
     """False: strings; True: lists of chat messages (structs with role and content, or JSON objects,
     which is how datasets stores objects whose keys differ); None: neither."""
@@ -375,6 +416,8 @@ def _arrow_table(ds: Any, what: str, where: str, prompt_column: str, row_map: np
         raise DataError(f"{what}: {where} has a '{MESSAGES_KEY}' column, a name rallyrl uses for the messages "
                         f"of a conversational prompt; rename the column")
     column = ds.data.column("prompt")
+    if chat:
+        _check_message_structs(column, ds, row_map, what, where)
     if column.null_count:  # a row without a prompt: name the first (as the user counts rows)
         nulls = np.flatnonzero(np.concatenate([np.asarray(pc.is_null(c)) for c in column.chunks]))
         for mapping in (ds._indices.column(0).to_numpy() if ds._indices is not None else None, row_map):

@@ -191,6 +191,11 @@ def test_conversations_from_a_file_are_rendered_when_drawn(tmp_path, tiny_model)
     assert ps.texts([1]) == ["<|user|>the cat\n"]
     assert ps.metadata([1, 0]) == [{"answer": 5, "prompt_messages": rows[1]["prompt"]},
                                    {"answer": 4, "prompt_messages": chat}]
+    # messages with the same keys are Arrow structs, checked up front ...
+    same_keys = [{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": [{"role": "user", "content": None}]}]
+    with pytest.raises(DataError, match=r"^data.prompts: .*p.parquet row 1: chat message 0 has no 'content'"):
+        open_prompts(str(_write(tmp_path, "parquet", same_keys)))
+    # ... messages whose keys differ are stored as JSON: checked when drawn, naming the row
     bad = open_prompts(str(_write(tmp_path, "jsonl", [rows[0], {"prompt": [{"role": "user"}]}])))
     with pytest.raises(DataError, match=r"^data.prompts: prompt 1: chat message 0 has no 'content'"):
         PromptSet.of(bad, tok, 128, 4, "data.prompts").prepare([1])
