@@ -217,3 +217,13 @@ def test_the_eval_set_is_checked_up_front_and_the_training_set_when_drawn(tmp_pa
         prepare_inputs(load_config({**base, "data": {"prompts": ["the cat"], "eval_prompts": str(f)}}), 1)
     with pytest.raises(ConfigError, match=r"^data.prompts: prompt 1 has"):  # an inline list: up front
         prepare_inputs(load_config({**base, "data": {"prompts": [r["prompt"] for r in rows]}}), 1)
+
+
+def test_inline_prompts_never_import_datasets():
+    import subprocess
+    import sys
+
+    code = ("import sys, rallyrl, rallyrl.trainer, rallyrl.cli; from rallyrl.data import open_prompts; "
+            "open_prompts(['the cat', {'prompt': 'a dog', 'x': 1}]); "
+            "assert 'datasets' not in sys.modules and 'pyarrow' not in sys.modules, 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
