@@ -167,7 +167,7 @@ def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True, l
     if not run_dir:
         return inp
     # may a run start in train.run_dir (or resume it, with this config)? read-only, like the rest
-    RunDir.check_start(Path(cfg.train.run_dir), cfg, eval_steps(cfg) if inp.eval_records else [], lock=lock,
+    RunDir.check_start(Path(cfg.train.run_dir), cfg, eval_steps(cfg) if len(inp.eval_set) else [], lock=lock,
                        dry_run=dry_run)
     if cfg.train.resume not in (None, "auto"):  # `auto` falls back to a fresh start: nothing to fail
         import contextlib
@@ -242,7 +242,7 @@ def _check_main(args: argparse.Namespace) -> int:
     with holding_run_dir_locks():  # a run in progress there is refused, as for a second `train`
         inp = preflight(cfg, args.nproc, lock=True, dry_run=True)
     plan = inp.plan
-    longest = max(len(q) for q in inp.query_ids)
+    longest = inp.train_set.longest()  # every training prompt read and checked once (a dry run may take it)
     lines = [
         f"ok: this config trains on {plan.world_size} process(es)",
         f"batch plan: {plan.num_rollouts} rollouts per iteration, "
@@ -250,7 +250,7 @@ def _check_main(args: argparse.Namespace) -> int:
         f"{plan.chunk_size} per rank; {plan.epochs} epoch(s) x {plan.num_minibatches} minibatch(es) = "
         f"{plan.optimizer_steps_per_iteration} optimizer steps per iteration, "
         f"{plan.optimizer_steps_per_iteration * cfg.train.iterations} in {cfg.train.iterations} iterations",
-        f"prompts: {len(inp.records)} training (longest {longest} tokens), {len(inp.eval_records)} eval",
+        f"prompts: {len(inp.train_set)} training (longest {longest} tokens), {len(inp.eval_set)} eval",
         f"reward: {', '.join(f'{f.name} (weight {f.weight:g})' for f in inp.reward_fns)}, placement "
         f"'{cfg.reward.placement}'; eval metric_fn: {'yes' if inp.metric_fn else 'none'}",
         f"model: {cfg.model.path} (config and weight files present; weights not loaded), "

@@ -122,13 +122,26 @@ class ModelConfig:
 class DataConfig:
     prompts: str | list[Any] | None = _f(
         None,
-        "Training prompts: a `.jsonl` of `{\"prompt\": str, ...metadata}`, a `.txt` with one prompt per "
-        "line, or an inline list (of strings or such dicts). A prompt may also be a conversation, a list of "
-        "`{\"role\", \"content\"}` messages, rendered with the tokenizer's chat template (docs/reward.md). "
-        "`rallyrl.train(prompts=...)` overrides it.",
+        "Training prompts: a file (`.jsonl` of `{\"prompt\": str, ...metadata}`, `.json` holding a list of such "
+        "objects, `.csv`, `.parquet`, or `.txt` with one prompt per line), a folder written by datasets' "
+        "`save_to_disk`, a data set name for `datasets.load_dataset` (see `data.split`, `data.subset`; offline, "
+        "only data sets in the local cache load), or an inline list (of strings or such dicts). Files and "
+        "data sets are read as memory-mapped Arrow tables (docs/data.md). A prompt may also be a "
+        "conversation, a list of `{\"role\", \"content\"}` messages, rendered with the tokenizer's chat "
+        "template (docs/reward.md). `rallyrl.train(prompts=...)` overrides it.",
     )
     eval_prompts: str | list[Any] | None = _f(
-        None, "Evaluation prompts, same forms as `data.prompts`; unset = no evaluation."
+        None, "Evaluation prompts, same forms as `data.prompts` (a data set: its `data.eval_split`); unset = no "
+        "evaluation."
+    )
+    prompt_column: str = _f(
+        "prompt", "The column that holds the prompts (renamed to `prompt`; a data set that also has a `prompt` "
+        "column is an error). Every other column is metadata for the reward function."
+    )
+    split: str = _f("train", "The split of `data.prompts` when it is a data set name or a folder of several splits.")
+    subset: str | None = _f(None, "The configuration (subset) of a data set name, e.g. `main` for `openai/gsm8k`.")
+    eval_split: str = _f(
+        "test", "The split of `data.eval_prompts` when it is a data set name or a folder of several splits."
     )
     shuffle: bool = _f(True, "Shuffle the prompt order each pass over the data (shared seed: all ranks agree).")
 

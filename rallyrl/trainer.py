@@ -271,10 +271,10 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
           callbacks: Sequence[Any] | None = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``), like ``trlx.train``; every rank
     calls it. ``reward_fn``, ``prompts``, ``eval_prompts``, ``metric_fn`` override ``reward.fn``, ``data.*``,
-    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); callbacks: docs/tracking.md."""
+    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); docs/data.md, docs/tracking.md."""
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
-    evals = set(eval_steps(cfg)) if inp.eval_records else set()
+    evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals), lock=True)  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding, cfg.train.mixed_precision)
     with _reward_host(cfg, inp) as reward_step:  # a `reward.server: local` starts now, stops however this ends
@@ -293,8 +293,9 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 t_iter = time.perf_counter()
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
                 # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
-                ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, _next_shard(plan, state),
-                                                     cfg.generation, cfg.generation.do_sample, device,
+                shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
+                ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, shard, cfg.generation,
+                                                     cfg.generation.do_sample, device,
                                                      cfg.rollout.logprobs_from == "generate")
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
@@ -343,7 +344,7 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     seed_everything(cfg.train.seed, R)  # per-rank: generation sampling
     total_steps = cfg.train.iterations * inp.plan.optimizer_steps_per_iteration
     learner = Learner.create(models.policy, cfg.ppo, total_steps)
-    state = TrainState.fresh(cfg, len(inp.records), shuffle_seed=stream_seed(cfg.train.seed, "minibatch", R))
+    state = TrainState.fresh(cfg, len(inp.train_set), shuffle_seed=stream_seed(cfg.train.seed, "minibatch", R))
     return models, learner, state
 
 
@@ -372,10 +373,15 @@ def _reward_host(cfg: Config, inp: Inputs) -> Iterator[RewardStep]:
         step.close()
 
 
-def _next_shard(plan: BatchPlan, state: TrainState) -> Shard:
+def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard:
     """This rank's part of the next iteration: ``num_rollouts / G`` prompts drawn from the shared
-    sampler (the same on every rank), each repeated G times in a row (group g = samples g*G..g*G+G-1)."""
-    return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(state.sampler.next(plan.prompts_per_iteration)))
+    sampler (the same on every rank), each repeated G times in a row (group g = samples g*G..g*G+G-1).
+    Every rank prepares (reads, renders, tokenizes, checks) all the drawn prompts, not only its own: a
+    prompt that is too long or empty then raises the same error naming its row on every rank, at the
+    same point, with no collective; and only this iteration's rows stay in memory."""
+    drawn = state.sampler.next(plan.prompts_per_iteration)
+    prompts.prepare(drawn)
+    return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
 
 
 def _evaluate(models: LoadedModels, reward_step: RewardStep, inp: Inputs, cfg: Config, device: torch.device,

@@ -39,7 +39,7 @@ def test_the_hook_builds_the_folder_before_it_is_checked_and_is_called_each_time
     model_dir = tmp_path / "models" / "tiny"
     cfg = config(model_dir, tmp_path / "run", f"{hook_file}:build")
     inp = prepare_inputs(cfg, world_size=1)
-    assert (model_dir / "config.json").is_file() and len(inp.query_ids) == 10
+    assert (model_dir / "config.json").is_file() and len(inp.train_set) == 10
     prepare_inputs(cfg, world_size=1)  # second time: the hook runs again and finds the folder there
     from rallyrl.reward.loading import load_object
 
