@@ -52,16 +52,18 @@ MINIBATCHES = 2  # optimizer steps per iteration (TRL: steps_per_generation)
 EPOCHS = 1  # TRL: num_iterations
 LR = 1e-3
 MAX_NEW_TOKENS = 9
-CHUNK = 64
+CHUNK = 128  # TRL generates a whole generation batch (per device) in one generate() call; rallyrl too
 # iterations per run, repeats (full, quick)
 PLAN = {"randomwalks": {"full": (30, 3), "quick": (3, 1)}}
 SYSTEMS = ("trl1", "rallyrl1")
 
 
 def rallyrl_overrides(model_dir: Path | str, run_dir: Path | str, iterations: int) -> list[str]:
-    """grpo.yaml holds the shared settings; these make the run comparable (one thread, no mid-run eval)."""
+    """grpo.yaml holds the shared settings; these make the run comparable (one thread, no mid-run eval, the
+    whole iteration's 128 completions in one generate() call as TRL's generation batch)."""
     return [f"model.path={model_dir}", f"train.run_dir={run_dir}", "train.overwrite=true",
-            f"train.iterations={iterations}", "train.num_threads=1", "train.progress=false", "eval.interval=0"]
+            f"train.iterations={iterations}", "train.num_threads=1", "train.progress=false", "eval.interval=0",
+            f"rollout.chunk_size={CHUNK}"]
 
 
 def rallyrl_settings(model_dir: Path | str, run_dir: Path | str, iterations: int) -> Any:
@@ -92,6 +94,8 @@ def same_work_mismatches(cfg: Any, trl: dict[str, Any], world: int = 1) -> list[
     pairs = {
         "completions per iteration": (cfg.rollout.num_rollouts,
                                       trl["per_device_train_batch_size"] * trl["steps_per_generation"] * world),
+        "generation batch per process (one generate() call)": (
+            cfg.rollout.chunk_size, trl["per_device_train_batch_size"] * trl["steps_per_generation"]),
         "completions per prompt (G)": (cfg.rollout.samples_per_prompt, trl["num_generations"]),
         "estimator": (p.estimator, "grpo"),
         "advantage scaling": (p.group_scale, trl["scale_rewards"]),
