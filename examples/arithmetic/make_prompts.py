@@ -2,14 +2,12 @@
 
     python examples/arithmetic/make_prompts.py [--n-train 512] [--n-eval 100] [--seed 0] [--out-dir DIR]
 
-Each problem becomes one chat turn, ``[{"role": "system", ...}, {"role": "user", "content": question}]``,
-rendered with SmolLM2-135M-Instruct's chat template (``add_generation_prompt=True``) into a plain string
-prompt: rallyrl on main does not render chat messages itself yet (issue #18 item 6 is in progress), so
-the rendering happens here, once. Rows: ``{"prompt": rendered, "question": ..., "answer": int}``;
-``answer`` reaches the reward and metric functions as a metadata column. The tokenizer comes from the
-sentiments example's conversion (``examples/sentiments/prepare.py:smollm2_dir``, imported, not copied).
-The output is deterministic: the shipped files are what this script writes with its defaults (a unit
-test checks the generator against them).
+Each problem becomes one conversational prompt, ``[{"role": "system", ...}, {"role": "user", "content":
+question + instruction}]``, which rallyrl renders with the model's chat template
+(``add_generation_prompt=True``; docs/reward.md, "Conversational prompts"). Rows:
+``{"prompt": messages, "question": ..., "answer": int}``; ``answer`` reaches the reward and metric
+functions as a metadata column. The output is deterministic: the shipped files are what this script
+writes with its defaults (a unit test checks them against the generator).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ if str(ROOT) not in sys.path:
 from examples.arithmetic import task  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-# A short system message (SmolLM2's template would otherwise add its 20-token default one): shorter
+# A short system message: SmolLM2's template would otherwise add its 20-token default one, and shorter
 # prompts make every forward pass of the run cheaper on CPU.
 SYSTEM = "You are a helpful assistant."
 
@@ -37,10 +35,8 @@ def messages(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{question} {task.INSTRUCTION}"}]
 
 
-def rows(problems: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
-    return [{"prompt": tokenizer.apply_chat_template(messages(p["question"]), tokenize=False,
-                                                      add_generation_prompt=True),
-             "question": p["question"], "answer": p["answer"]} for p in problems]
+def rows(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"prompt": messages(p["question"]), "question": p["question"], "answer": p["answer"]} for p in problems]
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
@@ -55,15 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--out-dir", type=Path, default=HERE)
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from examples.sentiments.prepare import smollm2_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     train, evals = task.train_and_eval(args.n_train, args.n_eval, args.seed, max_operand=args.max_operand)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out_dir / "prompts.jsonl", rows(train, tokenizer))
-    write_jsonl(args.out_dir / "eval_prompts.jsonl", rows(evals, tokenizer))
+    write_jsonl(args.out_dir / "prompts.jsonl", rows(train))
+    write_jsonl(args.out_dir / "eval_prompts.jsonl", rows(evals))
     print(f"wrote {len(train)} training and {len(evals)} eval prompts to {args.out_dir}")
     return 0
 
