@@ -7,7 +7,7 @@ Sections (see benchmarks/README.md):
 - ``ppo_vs_trl``: rallyrl vs TRL's PPOTrainer on the same work, rows ``randomwalks`` and ``smollm2``
   (``benchmarks/ppo_vs_trl.py``).
 - ``grpo_vs_trl``: rallyrl ``ppo.estimator: grpo`` vs TRL's GRPOTrainer on the same work, row
-  ``randomwalks`` (``benchmarks/grpo_vs_trl.py``).
+  ``randomwalks`` and ``arithmetic`` (``benchmarks/grpo_vs_trl.py``).
 - ``reward_phase``: the central reward step against one direct batched call, ``local`` placement, the
   reward server when present, peak RSS per rank (``benchmarks/reward_phase.py``); and ``scaling``:
   world size 1, 2, 3 on the same global work.

@@ -1,6 +1,7 @@
 """GRPO throughput: rallyrl ``ppo.estimator: grpo`` vs TRL 1.12's ``GRPOTrainer``, same work, one process each.
 
-    .venv-bench/bin/python benchmarks/grpo_vs_trl.py [--quick] [--out runs/bench/grpo_vs_trl.json]
+    .venv-bench/bin/python benchmarks/grpo_vs_trl.py [--quick] [--rows randomwalks,arithmetic]
+        [--out runs/bench/grpo_vs_trl.json]
 
 Row ``randomwalks``: the pretrained randomwalks GPT-2 (``examples/randomwalks/prepare.py``, not timed) and
 ``examples/randomwalks/grpo.yaml``'s settings: per iteration 16 start nodes x G = 8 sampled walks = 128
@@ -15,14 +16,21 @@ a separate forward pass after generation here (its steps_per_generation > gradie
 as rallyrl's default ``rollout.logprobs_from: forward`` does. ``check_same_work`` compares the loaded
 rallyrl ``Config`` with the ``GRPOConfig`` arguments before anything runs.
 
+Row ``arithmetic``: SmolLM2-135M-Instruct on ``examples/arithmetic/grpo.yaml``'s settings: 8 problems x G
+= 8 = 64 completions of at most 10 tokens at temperature 0.7, the same conversational prompts (rendered
+with the chat template by both), the exact-match reward (weight 1) plus the format reward (weight 0.2),
+lr 3e-5 constant, otherwise as above (QUICK: 16 completions of at most 6 tokens). Score: greedy
+exact-match accuracy of the saved final policy on the 100 held-out problems, one evaluator for both.
+
 Timing as ``ppo_vs_trl``: each system in a fresh process, the two back to back in each repeat, the order
 reversed every second repeat; episodes/s after one warm-up iteration. rallyrl's iteration =
 ``time/iteration`` minus ``time/eval``; TRL's = the time between every second ``on_step_end`` callback
 (2 optimizer steps = one generation batch), the first from ``on_train_begin``. TRL's profile comes from
 timing wrappers on its trainer's own methods (``_generate`` -> generate, ``_calculate_rewards`` ->
 reward, ``_get_per_token_logps_and_entropies`` inside ``_generate_and_score_completions`` -> forward, the
-rest of that method -> other, everything after it in the iteration -> update). Final score: sampled
-optimality of the saved final policy, 200 eval prompts x seeds 0-4, by the same evaluator for both.
+rest of that method -> other, everything after it in the iteration -> update). Final score of the
+randomwalks row: sampled optimality of the saved final policy, 200 eval prompts x seeds 0-4, by the same
+evaluator for both.
 """
 
 from __future__ import annotations
@@ -45,44 +53,66 @@ from benchmarks.common import ENV, BenchError, loop_iteration_times, read_metric
 CONFIG = ROOT / "examples" / "randomwalks" / "grpo.yaml"
 EVAL_PROMPTS = ROOT / "examples" / "randomwalks" / "eval_prompts.txt"
 TRAIN_NODES = list("bcdefghijklmnopqrstu")  # grpo.yaml's data.prompts
+ARITH = ROOT / "examples" / "arithmetic"
 
-NUM_ROLLOUTS = 128
-G = 8
-MINIBATCHES = 2  # optimizer steps per iteration (TRL: steps_per_generation)
-EPOCHS = 1  # TRL: num_iterations
-LR = 1e-3
-MAX_NEW_TOKENS = 9
-CHUNK = 128  # TRL generates a whole generation batch (per device) in one generate() call; rallyrl too
+# The shared settings of each row (rallyrl names; TRL's in trl_grpo_args). ``quick`` replaces some for
+# QUICK=1 (a smoke test of the row, not its measurement).
+ROW_SETTINGS: dict[str, dict[str, Any]] = {
+    "randomwalks": dict(config=CONFIG, num_rollouts=128, G=8, minibatches=2, epochs=1, lr=1e-3,
+                        lr_schedule="linear", max_new_tokens=9, temperature=1.0, reward_weights=[1.0], quick={}),
+    "arithmetic": dict(config=ARITH / "grpo.yaml", num_rollouts=64, G=8, minibatches=2, epochs=1, lr=3e-5,
+                       lr_schedule="constant", max_new_tokens=10, temperature=0.7, reward_weights=[1.0, 0.2],
+                       quick=dict(num_rollouts=16, max_new_tokens=6)),
+}
+# randomwalks names, kept for the tests and the README's wording
+NUM_ROLLOUTS, G, MINIBATCHES, EPOCHS, LR, MAX_NEW_TOKENS = 128, 8, 2, 1, 1e-3, 9
 # iterations per run, repeats (full, quick)
-PLAN = {"randomwalks": {"full": (30, 3), "quick": (3, 1)}}
+PLAN = {"randomwalks": {"full": (30, 3), "quick": (3, 1)}, "arithmetic": {"full": (3, 2), "quick": (2, 1)}}
 SYSTEMS = ("trl1", "rallyrl1")
 
 
-def rallyrl_overrides(model_dir: Path | str, run_dir: Path | str, iterations: int) -> list[str]:
-    """grpo.yaml holds the shared settings; these make the run comparable (one thread, no mid-run eval, the
-    whole iteration's 128 completions in one generate() call as TRL's generation batch)."""
-    return [f"model.path={model_dir}", f"train.run_dir={run_dir}", "train.overwrite=true",
-            f"train.iterations={iterations}", "train.num_threads=1", "train.progress=false", "eval.interval=0",
-            f"rollout.chunk_size={CHUNK}"]
+def settings(row: str, quick: bool = False) -> dict[str, Any]:
+    s = {k: v for k, v in ROW_SETTINGS[row].items() if k != "quick"}
+    if quick:
+        s.update(ROW_SETTINGS[row]["quick"])
+    return s
 
 
-def rallyrl_settings(model_dir: Path | str, run_dir: Path | str, iterations: int) -> Any:
+def rallyrl_overrides(model_dir: Path | str, run_dir: Path | str, iterations: int, row: str = "randomwalks",
+                      quick: bool = False) -> list[str]:
+    """The row's config holds the shared settings; these make the run comparable: one thread, no mid-run
+    eval, the iteration's completions in one generate() call (TRL's generation batch)."""
+    s = settings(row, quick)
+    out = [f"model.path={model_dir}", f"train.run_dir={run_dir}", "train.overwrite=true",
+           f"train.iterations={iterations}", "train.num_threads=1", "train.progress=false", "eval.interval=0",
+           f"rollout.num_rollouts={s['num_rollouts']}", f"rollout.chunk_size={s['num_rollouts']}",
+           f"generation.max_new_tokens={s['max_new_tokens']}"]
+    if row == "arithmetic":  # the final policies are scored by one evaluator for both systems instead
+        out += ["data.eval_prompts=null", "model.prepare=null"]
+    return out
+
+
+def rallyrl_settings(model_dir: Path | str, run_dir: Path | str, iterations: int, row: str = "randomwalks",
+                     quick: bool = False) -> Any:
     from rallyrl.config import load_config
 
-    return load_config(str(CONFIG), rallyrl_overrides(model_dir, run_dir, iterations))
+    return load_config(str(settings(row, quick)["config"]), rallyrl_overrides(model_dir, run_dir, iterations, row, quick))
 
 
-def trl_grpo_args(*, run_dir: str | Path, iterations: int, world: int = 1) -> dict[str, Any]:
+def trl_grpo_args(*, run_dir: str | Path, iterations: int, world: int = 1, row: str = "randomwalks",
+                  quick: bool = False) -> dict[str, Any]:
     """``GRPOConfig`` keyword arguments for the row (checked against rallyrl's by ``check_same_work``)."""
+    s = settings(row, quick)
     return dict(
         output_dir=str(run_dir), seed=0, use_cpu=True, bf16=False, gradient_checkpointing=False, report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, use_vllm=False,
-        per_device_train_batch_size=NUM_ROLLOUTS // MINIBATCHES // world, gradient_accumulation_steps=1,
-        steps_per_generation=MINIBATCHES, num_generations=G, num_iterations=EPOCHS,
-        max_steps=iterations * MINIBATCHES, learning_rate=LR, lr_scheduler_type="linear", warmup_steps=0,
-        optim="adamw_torch_fused", weight_decay=0.0, adam_epsilon=1e-8, max_grad_norm=1.0,
+        per_device_train_batch_size=s["num_rollouts"] // s["minibatches"] // world, gradient_accumulation_steps=1,
+        steps_per_generation=s["minibatches"], num_generations=s["G"], num_iterations=s["epochs"],
+        max_steps=iterations * s["minibatches"], learning_rate=s["lr"], lr_scheduler_type=s["lr_schedule"],
+        warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0, adam_epsilon=1e-8, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, epsilon_high=0.2, loss_type="dapo", scale_rewards="group",
-        max_completion_length=MAX_NEW_TOKENS, temperature=1.0, top_k=0, top_p=1.0,
+        reward_weights=s["reward_weights"],
+        max_completion_length=s["max_new_tokens"], temperature=s["temperature"], top_k=0, top_p=1.0,
         mask_truncated_completions=False,
     )
 
@@ -97,6 +127,8 @@ def same_work_mismatches(cfg: Any, trl: dict[str, Any], world: int = 1) -> list[
         "generation batch per process (one generate() call)": (
             cfg.rollout.chunk_size, trl["per_device_train_batch_size"] * trl["steps_per_generation"]),
         "completions per prompt (G)": (cfg.rollout.samples_per_prompt, trl["num_generations"]),
+        "reward functions' weights (summed, then group statistics)": (
+            [f.weight for f in cfg.reward.fns] or [1.0], list(trl.get("reward_weights") or [1.0])),
         "estimator": (p.estimator, "grpo"),
         "advantage scaling": (p.group_scale, trl["scale_rewards"]),
         "passes over each batch": (p.epochs, trl["num_iterations"]),
@@ -147,10 +179,27 @@ def check_same_work(cfg: Any, trl: dict[str, Any], world: int = 1) -> None:
 # Workers (each in its own process)
 
 
-def _reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+def _walk_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     from examples.randomwalks import task
 
     return task.reward_fn([p + c for p, c in zip(prompts, completions)], prompts, completions)
+
+
+def _text(completion: Any) -> str:
+    """TRL hands conversational completions as ``[{"role": "assistant", "content": ...}]``."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def correct(prompts: list[Any], completions: list[Any], answer: list[int], **_: Any) -> list[float]:
+    from examples.arithmetic import task
+
+    return task.correct_reward(None, None, [_text(c) for c in completions], answer=answer)
+
+
+def format_(prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+    from examples.arithmetic import task
+
+    return task.format_reward(None, None, [_text(c) for c in completions])
 
 
 def worker_rallyrl(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,13 +209,18 @@ def worker_rallyrl(args: argparse.Namespace) -> dict[str, Any]:
     import rallyrl
     import rallyrl.trainer  # noqa: F401 - imported before the clock, as TRL's modules are
     from benchmarks.randomwalks_vs_trl import _preload, rallyrl_summary
-    from examples.randomwalks import task
 
     _preload()
     run_dir = Path(args.run_dir)
+    overrides = rallyrl_overrides(args.model_dir, run_dir, args.iterations, args.row, args.quick)
     t0 = time.perf_counter()
-    rallyrl.train(str(CONFIG), reward_fn=task.reward_fn, prompts=TRAIN_NODES, eval_prompts=str(EVAL_PROMPTS),
-                  metric_fn=task.metric_fn, overrides=rallyrl_overrides(args.model_dir, run_dir, args.iterations))
+    if args.row == "randomwalks":
+        from examples.randomwalks import task
+
+        rallyrl.train(str(CONFIG), reward_fn=task.reward_fn, prompts=TRAIN_NODES, eval_prompts=str(EVAL_PROMPTS),
+                      metric_fn=task.metric_fn, overrides=overrides)
+    else:
+        rallyrl.train(str(settings(args.row)["config"]), overrides=overrides)
     out = rallyrl_summary(run_dir)
     out.update(train_call_s=time.perf_counter() - t0, final_dir=str(run_dir / "final"),
                iteration_s=loop_iteration_times(read_metrics(run_dir)))
@@ -247,13 +301,19 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     tok.padding_side = "left"
     policy = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    # uniform over start nodes, like rallyrl's shuffled 20 prompts
-    train = datasets.Dataset.from_dict({"prompt": TRAIN_NODES * 64})
-    trainer = GRPOTrainer(model=policy, reward_funcs=_reward, args=GRPOConfig(**trl_grpo_args(
-        run_dir=run_dir, iterations=args.iterations, world=world)), train_dataset=train, processing_class=tok)
+    if args.row == "randomwalks":  # uniform over start nodes, like rallyrl's shuffled 20 prompts
+        train, rewards = datasets.Dataset.from_dict({"prompt": TRAIN_NODES * 64}), _walk_reward
+    else:  # the same conversational prompts and answers rallyrl reads
+        rows = [json.loads(line) for line in (ARITH / "prompts.jsonl").read_text().splitlines()]
+        train = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+        rewards = [correct, format_]
+    trainer = GRPOTrainer(model=policy, reward_funcs=rewards, args=GRPOConfig(**trl_grpo_args(
+        run_dir=run_dir, iterations=args.iterations, world=world, row=args.row, quick=args.quick)),
+        train_dataset=train, processing_class=tok)
     clock = TrlGrpoClock(trainer)
     steps = [0]
-    trainer.create_optimizer_and_scheduler(num_training_steps=args.iterations * MINIBATCHES)
+    steps_per_iteration = settings(args.row)["minibatches"]
+    trainer.create_optimizer_and_scheduler(num_training_steps=args.iterations * steps_per_iteration)
     trainer.optimizer.register_step_post_hook(lambda *a, **k: steps.__setitem__(0, steps[0] + 1))
     marks: list[float] = []
 
@@ -263,7 +323,7 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
             clock.begin()
 
         def on_step_end(self, state_args: Any, state: Any, *a: Any, **k: Any) -> None:
-            if state.global_step % MINIBATCHES == 0:  # one generation batch = MINIBATCHES optimizer steps
+            if state.global_step % steps_per_iteration == 0:  # one generation batch = that many optimizer steps
                 marks.append(time.perf_counter())
                 clock.end_iteration()
 
@@ -287,57 +347,103 @@ def worker_trl(args: argparse.Namespace) -> dict[str, Any]:
 # Orchestrator
 
 
-def run_system(system: str, model_dir: Path, out_dir: Path, iterations: int, tag: str) -> dict[str, Any]:
-    from benchmarks.randomwalks_vs_trl import common_eval
+def arithmetic_eval(model_dir: Path | str, max_new_tokens: int) -> dict[str, float]:
+    """Greedy exact-match accuracy on the arithmetic example's 100 held-out problems (the prompts rendered
+    with the model's chat template, as both systems render them; batched, left-padded)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from examples.arithmetic import task
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in (ARITH / "eval_prompts.jsonl").read_text().splitlines()]
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    outs: list[str] = []
+    for i in range(0, len(texts), 50):
+        enc = tok(texts[i:i + 50], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        outs += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    ok = task.correct_reward(None, None, outs, answer=[r["answer"] for r in rows])
+    return {"eval_correct": sum(ok) / len(ok)}
+
+
+SCORE_KEY = {"randomwalks": "eval_optimality_5seeds", "arithmetic": "eval_correct"}
+
+
+def score(row: str, model_dir: Path | str, quick: bool) -> dict[str, Any]:
+    if row == "randomwalks":
+        from benchmarks.randomwalks_vs_trl import common_eval
+
+        return common_eval(model_dir)
+    return arithmetic_eval(model_dir, settings(row, quick)["max_new_tokens"])
+
+
+def model_for(row: str) -> Path:
+    """The row's pretrained model (prepared once; not timed)."""
+    if row == "randomwalks":
+        from examples.randomwalks.prepare import default_model_dir, prepare_model
+
+        return Path(prepare_model(default_model_dir(), progress=False))
+    from examples.sentiments.prepare import smollm2_dir
+
+    return smollm2_dir()
+
+
+def run_system(system: str, row: str, model_dir: Path, out_dir: Path, iterations: int, tag: str,
+               quick: bool = False) -> dict[str, Any]:
     run_dir = out_dir / f"{system}_{tag}"
     result_file = out_dir / f"{system}_{tag}.result.json"
     log = out_dir / f"{system}_{tag}.log"
     result_file.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "rallyrl" if system == "rallyrl1" else "trl",
-           "--model-dir", str(model_dir), "--run-dir", str(run_dir), "--iterations", str(iterations),
-           "--result", str(result_file)]
+           "--row", row, "--model-dir", str(model_dir), "--run-dir", str(run_dir), "--iterations", str(iterations),
+           "--result", str(result_file)] + (["--quick"] if quick else [])
     load0 = os.getloadavg()[0]
-    print(f"[bench] grpo {tag} {system} (log {log})", flush=True)
+    print(f"[bench] grpo {row} {tag} {system} (log {log})", flush=True)
     proc = run_timed(cmd, log)
     res = json.loads(result_file.read_text())
     res.update(system=system, processes=1, process_s=proc["wall_s"], cpu_s=proc["cpu_s"], run_dir=str(run_dir),
                load_1min_before=load0, load_1min_after=os.getloadavg()[0])
-    res.update(common_eval(res["final_dir"]))
-    print(f"[bench] grpo {tag} {system}: loop {sum(res['iteration_s']):.1f}s, {res['iterations']} iterations, "
-          f"{res['optimizer_steps']} steps, eval optimality {res['eval_optimality_5seeds']:.3f} (5 seeds)", flush=True)
+    res.update(score(row, res["final_dir"], quick))
+    print(f"[bench] grpo {row} {tag} {system}: loop {sum(res['iteration_s']):.1f}s, {res['iterations']} iterations, "
+          f"{res['optimizer_steps']} steps, {SCORE_KEY[row]} {res[SCORE_KEY[row]]:.3f}", flush=True)
     return res
 
 
-def run_randomwalks(iterations: int, repeats: int, out_dir: Path, quick: bool = False) -> dict[str, Any]:
+def run_row(row: str, iterations: int, repeats: int, out_dir: Path, quick: bool = False) -> dict[str, Any]:
     from benchmarks.ppo_vs_trl import WARMUP, check_runs_did_the_same_work, interleaved, mean_profile, summarise_row
-    from benchmarks.randomwalks_vs_trl import common_eval
-    from examples.randomwalks.prepare import default_model_dir, prepare_model
 
-    model = prepare_model(default_model_dir(), progress=False)  # cached; pretraining is not timed
-    d = out_dir / "randomwalks"
+    model = model_for(row)
+    s = settings(row, quick)
+    d = out_dir / row
     d.mkdir(parents=True, exist_ok=True)
-    check_same_work(rallyrl_settings(model, d / "check", iterations), trl_grpo_args(run_dir=d / "check",
-                                                                                   iterations=iterations))
+    check_same_work(rallyrl_settings(model, d / "check", iterations, row, quick),
+                    trl_grpo_args(run_dir=d / "check", iterations=iterations, row=row, quick=quick))
     runs = []
     for rep in range(repeats):
         for system in interleaved(SYSTEMS, rep):
-            res = run_system(system, model, d, iterations, f"r{rep + 1}")
+            res = run_system(system, row, model, d, iterations, f"r{rep + 1}", quick)
             res["repeat"] = rep + 1
             runs.append(res)
     check_runs_did_the_same_work(runs)
-    row = summarise_row(runs, NUM_ROLLOUTS, "eval_optimality_5seeds")
+    out = summarise_row(runs, s["num_rollouts"], SCORE_KEY[row])
     trl = [r for r in runs if r["system"] == "trl1"]
     # summarise_row's TRL profile reads PPO phases; GRPO's have their own names
-    row["trl1"]["profile"] = mean_profile([_grpo_profile(r["grpo_phases_per_iteration"], WARMUP) for r in trl])
-    row.update(task_score="sampled optimality of the final policy, 200 eval prompts x seeds 0-4 "
-               "(examples/randomwalks/evaluate.py)", pretrained_score=common_eval(model)["eval_optimality_5seeds"],
-               model="randomwalks GPT-2 (examples/randomwalks/prepare.py)", iterations=iterations, repeats=repeats,
-               settings={"completions_per_iteration": NUM_ROLLOUTS, "G": G, "passes": EPOCHS,
-                         "optimizer_steps_per_iteration": MINIBATCHES, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR,
-                         "lr_schedule": "linear", "beta": 0.0, "loss": "token mean (TRL loss_type dapo)"},
-               runs=runs)
-    return row
+    out["trl1"]["profile"] = mean_profile([_grpo_profile(r["grpo_phases_per_iteration"], WARMUP) for r in trl])
+    described = {
+        "randomwalks": ("sampled optimality of the final policy, 200 eval prompts x seeds 0-4 "
+                        "(examples/randomwalks/evaluate.py)", "randomwalks GPT-2 (examples/randomwalks/prepare.py)"),
+        "arithmetic": ("greedy exact-match accuracy of the final policy on the 100 held-out problems",
+                       "SmolLM2-135M-Instruct (examples/sentiments/prepare.py:smollm2_dir)")}
+    out.update(task_score=described[row][0], pretrained_score=score(row, model, quick)[SCORE_KEY[row]],
+               model=described[row][1], iterations=iterations, repeats=repeats,
+               settings={k: (str(v) if isinstance(v, Path) else v) for k, v in s.items()}
+               | {"beta": 0.0, "loss": "token mean (TRL loss_type dapo)"}, runs=runs)
+    return out
 
 
 def _grpo_profile(rows: list[dict[str, float]], warmup: int) -> dict[str, Any]:
@@ -351,7 +457,8 @@ def _grpo_profile(rows: list[dict[str, float]], warmup: int) -> dict[str, Any]:
                                                "share": s / it if it > 0 else 0.0} for ph in TrlGrpoClock.PHASES}}
 
 
-ROWS = {"randomwalks": run_randomwalks}
+ROWS = {"randomwalks": lambda *a, **k: run_row("randomwalks", *a, **k),
+        "arithmetic": lambda *a, **k: run_row("arithmetic", *a, **k)}
 
 
 def run(quick: bool, rows: list[str], out_dir: Path) -> dict[str, Any]:
@@ -378,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     ap.add_argument("--iterations", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--row", default="randomwalks", choices=list(ROW_SETTINGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)

@@ -368,3 +368,16 @@ def test_grpo_clock_splits_an_iteration_by_the_trainer_methods(monkeypatch):
     clock.end_iteration()
     assert clock.rows == [{"iteration_s": 7.75, "generate": 2.0, "forward": 1.0, "reward": 0.5, "other": 0.25,
                            "update": 4.0}]
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_grpo_arithmetic_row_does_the_same_work(tmp_path, quick):
+    from benchmarks import grpo_vs_trl as gv
+
+    cfg = gv.rallyrl_settings(tmp_path / "m", tmp_path / "r", 3, "arithmetic", quick)
+    trl = gv.trl_grpo_args(run_dir=tmp_path / "r", iterations=3, row="arithmetic", quick=quick)
+    assert gv.same_work_mismatches(cfg, trl) == []
+    assert trl["reward_weights"] == [1.0, 0.2] and trl["temperature"] == 0.7
+    assert cfg.data.eval_prompts is None and cfg.rollout.chunk_size == cfg.rollout.num_rollouts
+    assert gv.same_work_mismatches(cfg, dict(trl, reward_weights=[1.0, 1.0])) == [
+        "reward functions' weights (summed, then group statistics): rallyrl [1.0, 0.2] vs TRL [1.0, 1.0]"]
