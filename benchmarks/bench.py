@@ -6,6 +6,8 @@ Sections (see benchmarks/README.md):
 
 - ``ppo_vs_trl``: rallyrl vs TRL's PPOTrainer on the same work, rows ``randomwalks`` and ``smollm2``
   (``benchmarks/ppo_vs_trl.py``).
+- ``grpo_vs_trl``: rallyrl ``ppo.estimator: grpo`` vs TRL's GRPOTrainer on the same work, row
+  ``randomwalks`` and ``arithmetic`` (``benchmarks/grpo_vs_trl.py``).
 - ``reward_phase``: the central reward step against one direct batched call, ``local`` placement, the
   reward server when present, peak RSS per rank (``benchmarks/reward_phase.py``); and ``scaling``:
   world size 1, 2, 3 on the same global work.
@@ -31,7 +33,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import ENV, BenchError, git_state, machine, versions  # noqa: E402
 
-SECTIONS = ("ppo_vs_trl", "reward_phase")
+SECTIONS = ("ppo_vs_trl", "grpo_vs_trl", "reward_phase")
 GOALS = {"ppo_ratio": 2.0, "overhead_ratio": 1.10}
 
 
@@ -49,30 +51,41 @@ def table(report: dict[str, Any]) -> str:
     """The one summary table (markdown) of a bench report."""
     lines = ["| benchmark | measure | rallyrl | baseline | ratio | goal |", "|---|---|---|---|---|---|"]
     add = lines.append
-    for row, r in report.get("ppo_vs_trl", {}).items():
+    for section in ("ppo_vs_trl", "grpo_vs_trl"):
+        _trl_rows(section, report.get(section, {}), add)
+    _reward_phase_rows(report, add)
+    return "\n".join(lines)
+
+
+def _trl_rows(section: str, rows: dict[str, Any], add: Any) -> None:
+    """The rows of a rallyrl-vs-TRL section (``ppo_vs_trl``: PPOTrainer; ``grpo_vs_trl``: GRPOTrainer)."""
+    for row, r in rows.items():
         if "error" in r:
-            add(f"| ppo_vs_trl.{row} | (failed) | {r['error'].splitlines()[0][:120]} | | | |")
+            add(f"| {section}.{row} | (failed) | {r['error'].splitlines()[0][:120]} | | | |")
             continue
         rl, trl = r["rallyrl1"], r["trl1"]
         ok = "met" if r["ratio"] >= GOALS["ppo_ratio"] else "NOT met"
-        add(f"| ppo_vs_trl.{row} | episodes/s after warm-up (median of {r['repeats']} interleaved repeats) | "
+        add(f"| {section}.{row} | episodes/s after warm-up (median of {r['repeats']} interleaved repeats) | "
             f"{rl['episodes_per_s_median']:.2f} | TRL {trl['episodes_per_s_median']:.2f} | "
             f"**{r['ratio']:.2f}** | >= {GOALS['ppo_ratio']} ({ok}) |")
         if "ratio_per_repeat_spread" in r:
-            add(f"| ppo_vs_trl.{row} | episodes/s per run, min–max; ratio within each repeat (median, min–max) | "
+            add(f"| {section}.{row} | episodes/s per run, min–max; ratio within each repeat (median, min–max) | "
                 f"{_spread(rl.get('episodes_per_s_spread'), '.2f')} | TRL {_spread(trl.get('episodes_per_s_spread'), '.2f')} | "
                 f"{_spread(r['ratio_per_repeat_spread'], '.2f')} | |")
-        add(f"| ppo_vs_trl.{row} | final task score (pretrained {r['pretrained_score']:.3f}) | "
+        add(f"| {section}.{row} | final task score (pretrained {r['pretrained_score']:.3f}) | "
             f"{', '.join(f'{x:.3f}' for x in rl['final_score'])} | TRL {', '.join(f'{x:.3f}' for x in trl['final_score'])} | | |")
         for name, sysrow in (("rallyrl", rl), ("TRL", trl)):
             prof = sysrow.get("profile")
             if prof:
                 parts = ", ".join(f"{k} {v['s']:.3f}s ({v['share']:.0%})" for k, v in prof["phases"].items())
-                add(f"| ppo_vs_trl.{row} | {name} iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
+                add(f"| {section}.{row} | {name} iteration profile (mean steady iteration {prof['iteration_s']:.3f}s) | "
                     f"{parts if name == 'rallyrl' else ''} | {parts if name == 'TRL' else ''} | | |")
-        add(f"| ppo_vs_trl.{row} | whole process: wall s / CPU s (start-up, loading, eval included; per repeat) | "
+        add(f"| {section}.{row} | whole process: wall s / CPU s (start-up, loading, eval included; per repeat) | "
             f"{', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(rl['process_s'], rl['cpu_s']))} | "
             f"TRL {', '.join(f'{w:.0f}/{c:.0f}' for w, c in zip(trl['process_s'], trl['cpu_s']))} | | |")
+
+
+def _reward_phase_rows(report: dict[str, Any], add: Any) -> None:
     rp = report.get("reward_phase")
     if rp and "error" in rp:
         add(f"| reward_phase | (failed) | {rp['error'].splitlines()[0][:120]} | | | |")
@@ -124,7 +137,6 @@ def table(report: dict[str, Any]) -> str:
     for w, s in (report.get("scaling") or {}).items():
         add(f"| scaling | world size {w}: reward step s / iteration s (median, min–max) | "
             f"{_spread(s['reward_step_s'])} / {_spread(s['iteration_s'])} | | | noisy: 2 shared cores |")
-    return "\n".join(lines)
 
 
 def results_md(report: dict[str, Any], raw: str = "results/latest.json") -> str:
@@ -184,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import ppo_vs_trl
 
         report["ppo_vs_trl"] = ppo_vs_trl.run(args.quick, list(ppo_vs_trl.ROWS), work / "ppo_vs_trl")
+    if "grpo_vs_trl" in sections:
+        from benchmarks import grpo_vs_trl
+
+        report["grpo_vs_trl"] = grpo_vs_trl.run(args.quick, list(grpo_vs_trl.ROWS), work / "grpo_vs_trl")
     if "reward_phase" in sections:
         from benchmarks import reward_phase
 
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     md.write_text(results_md(report, os.path.relpath(js, md.parent)))
     print(table(report))
     print(f"[bench] {meta['wall_s'] / 60:.1f} min; wrote {os.path.relpath(js, ROOT)} and {os.path.relpath(md, ROOT)}")
-    failed = [k for k in ("ppo_vs_trl", "reward_phase") if k in report and (
+    failed = [k for k in ("ppo_vs_trl", "grpo_vs_trl", "reward_phase") if k in report and (
         "error" in report[k] or any(isinstance(v, dict) and "error" in v for v in report[k].values()))]
     return 1 if failed else 0
 

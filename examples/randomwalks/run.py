@@ -1,8 +1,9 @@
 """`make demo`: pretrain (or reuse) the randomwalks GPT-2, then PPO on 2 processes, reward on rank 0.
 
-    python examples/randomwalks/run.py [--nproc 2] [--set key=value ...]
+    python examples/randomwalks/run.py [--config examples/randomwalks/grpo.yaml] [--nproc 2] [--set key=value ...]
 
-Prints the evaluation optimality (200 sampled walks) before and after PPO and the time of each phase.
+Prints the evaluation optimality (200 sampled walks) before and after training and the time of each phase.
+`--config examples/randomwalks/grpo.yaml` trains with GRPO (no value head, no reference) instead of PPO.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def _mean_optimality(path: Path) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(CONFIG), help="config.yaml (PPO, default) or grpo.yaml")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--run-dir", default="runs/randomwalks")
+    ap.add_argument("--run-dir", default=None, help="default runs/randomwalks (config.yaml), runs/randomwalks-<name> otherwise")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = prepare_model(default_model_dir())
     t_prepare = time.perf_counter() - t0
 
-    run_dir = ROOT / args.run_dir
-    cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(CONFIG), "--nproc", str(args.nproc),
+    stem = Path(args.config).stem
+    run_dir = ROOT / (args.run_dir or ("runs/randomwalks" if stem == "config" else f"runs/randomwalks-{stem}"))
+    cmd = [sys.executable, "-m", "rallyrl.cli", "train", args.config, "--nproc", str(args.nproc),
            "--set", f"model.path={model_dir}", "--set", f"train.run_dir={run_dir}", "--set", "train.overwrite=true"]
     for o in args.overrides:
         cmd += ["--set", o]
@@ -61,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = sum(m["time/iteration"] for m in metrics)
     print(f"\nrandomwalks: eval optimality {before:.3f} -> {after:.3f} ({n_after} sampled walks; "
           f"random walks score ~0.3)")
-    print(f"randomwalks: {len(metrics)} PPO iterations, {int(last['policy/optimizer_steps'])} optimizer steps; "
-          f"PPO loop {loop:.1f}s (incl. evals), training command {t_ppo:.1f}s incl. start-up, "
+    print(f"randomwalks: {len(metrics)} iterations, {int(last['policy/optimizer_steps'])} optimizer steps; "
+          f"training loop {loop:.1f}s (incl. evals), training command {t_ppo:.1f}s incl. start-up, "
           f"prepare {t_prepare:.1f}s; run dir {run_dir}")
     return 0
 

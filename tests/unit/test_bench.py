@@ -321,3 +321,63 @@ def test_table_reads_the_overhead_goal_from_the_median_of_the_pairs():
     assert "(first pair)" in t
     one = bench.table(_report(2.5, 1.2))  # a single pair (QUICK): no pair row
     assert "**1.20** (a/b) | <= 1.1 (NOT met)" in one and "per interleaved pair" not in one
+
+
+def test_grpo_same_work_contract_holds_and_names_a_difference(tmp_path):
+    from benchmarks import grpo_vs_trl as gv
+
+    cfg = gv.rallyrl_settings(tmp_path / "m", tmp_path / "r", 3)
+    trl = gv.trl_grpo_args(run_dir=tmp_path / "r", iterations=3)
+    assert gv.same_work_mismatches(cfg, trl) == []
+    assert trl["max_steps"] == 3 * cfg.ppo.num_minibatches and trl["beta"] == 0.0 and not trl["use_vllm"]
+    bad = dict(trl, num_generations=4, loss_type="grpo")
+    assert gv.same_work_mismatches(cfg, bad) == ["completions per prompt (G): rallyrl 8 vs TRL 4",
+                                                 "loss aggregation: rallyrl 'token_mean' vs TRL 'seq_mean_token_mean'"]
+    with pytest.raises(common.BenchError, match="not do the same work: completions per prompt"):
+        gv.check_same_work(cfg, bad)
+
+
+def test_grpo_clock_splits_an_iteration_by_the_trainer_methods(monkeypatch):
+    from benchmarks import grpo_vs_trl as gv
+
+    now = [0.0]
+    monkeypatch.setattr(gv.time, "perf_counter", lambda: now[0])
+
+    class Fake:
+        def _generate(self):
+            now[0] += 2.0
+
+        def _calculate_rewards(self):
+            now[0] += 0.5
+
+        def _get_per_token_logps_and_entropies(self):
+            now[0] += 1.0
+
+        def _generate_and_score_completions(self):
+            self._generate()
+            self._get_per_token_logps_and_entropies()
+            self._calculate_rewards()
+            now[0] += 0.25
+
+    t = Fake()
+    clock = gv.TrlGrpoClock(t)
+    clock.begin()
+    t._generate_and_score_completions()
+    t._get_per_token_logps_and_entropies()  # in the update: not "forward"
+    now[0] += 3.0
+    clock.end_iteration()
+    assert clock.rows == [{"iteration_s": 7.75, "generate": 2.0, "forward": 1.0, "reward": 0.5, "other": 0.25,
+                           "update": 4.0}]
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_grpo_arithmetic_row_does_the_same_work(tmp_path, quick):
+    from benchmarks import grpo_vs_trl as gv
+
+    cfg = gv.rallyrl_settings(tmp_path / "m", tmp_path / "r", 3, "arithmetic", quick)
+    trl = gv.trl_grpo_args(run_dir=tmp_path / "r", iterations=3, row="arithmetic", quick=quick)
+    assert gv.same_work_mismatches(cfg, trl) == []
+    assert trl["reward_weights"] == [1.0, 0.2] and trl["temperature"] == 0.7
+    assert cfg.data.eval_prompts is None and cfg.rollout.chunk_size == cfg.rollout.num_rollouts
+    assert gv.same_work_mismatches(cfg, dict(trl, reward_weights=[1.0, 1.0])) == [
+        "reward functions' weights (summed, then group statistics): rallyrl [1.0, 0.2] vs TRL [1.0, 1.0]"]
