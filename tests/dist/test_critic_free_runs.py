@@ -114,3 +114,25 @@ def test_grpo_under_fsdp_trains_like_ddp(tiny_model, tmp_path):
         for k in ("policy/loss", "policy/kl_loss", "policy/grad_norm", "policy/kl", "reward/group_std"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (k, a[k], b[k])
         assert 0.4 < b["memory/params_bytes"] / a["memory/params_bytes"] < 0.6
+
+
+def test_grpo_with_a_reward_model_on_the_main_rank_only(tiny_model, tmp_path):
+    """Under grpo too, `main` placement loads the reward model on rank 0 alone: rank 1 makes no load and
+    no call (the group statistics need every score, and they come back from the reward host)."""
+    import json
+
+    from tests.helpers.rewards import build_tiny_classifier
+
+    clf = build_tiny_classifier(tmp_path / "clf", tiny_model)
+    loads = tmp_path / "loads"
+    loads.mkdir()
+    reward = {"placement": "main", "fn": "tests.helpers.rewards:counted_classifier",
+              "kwargs": {"log_dir": str(loads), "path": str(clf), "label": "POS", "device": "cpu"}}
+    cfg = _cfg(tiny_model, tmp_path / "run", reward, {"estimator": "grpo", "init_kl_coef": 0.0})
+    proc = rallyrl_train(write_config(tmp_path / "c.yaml", cfg), 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in loads.glob("rank*.json")}
+    assert (ranks[0]["loads"], ranks[0]["model_loaded"]) == (1, True) and ranks[0]["calls"] > 0
+    assert (ranks[1]["loads"], ranks[1]["calls"], ranks[1]["model_loaded"]) == (0, 0, False)
+    rows = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert {r["rank"] for r in rows} == {0, 1} and all(r["advantage"] is not None for r in rows)
