@@ -53,6 +53,23 @@ class BenchError(RuntimeError):
 # Run directories
 
 
+def run_rows(section: str, rows_table: dict[str, Any], plan: dict[str, dict[str, tuple[int, int]]], quick: bool,
+             rows: list[str], out_dir: Path) -> dict[str, Any]:
+    """Run the chosen rows of a ``*_vs_trl`` section with their (iterations, repeats) plan; a row that
+    fails is reported (``"error"``) and the others still run."""
+    report: dict[str, Any] = {}
+    for name in rows:
+        iterations, repeats = plan[name]["quick" if quick else "full"]
+        t0 = time.perf_counter()
+        try:
+            report[name] = rows_table[name](iterations, repeats, out_dir, quick)
+        except BenchError as e:
+            report[name] = {"error": str(e)[-2000:]}
+            print(f"[bench] {section} {name} FAILED: {e}", flush=True)
+        report[name]["wall_s"] = time.perf_counter() - t0
+    return report
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The per-iteration records of ``run_dir/metrics.jsonl`` (a clear error if there are none)."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import ENV, BenchError, loop_iteration_times, read_metrics, run_timed  # noqa: E402
+from benchmarks.common import ENV, BenchError, loop_iteration_times, read_metrics, run_rows, run_timed  # noqa: E402
 
 CONFIG = ROOT / "examples" / "randomwalks" / "grpo.yaml"
 EVAL_PROMPTS = ROOT / "examples" / "randomwalks" / "eval_prompts.txt"
@@ -462,17 +462,7 @@ ROWS = {"randomwalks": lambda *a, **k: run_row("randomwalks", *a, **k),
 
 
 def run(quick: bool, rows: list[str], out_dir: Path) -> dict[str, Any]:
-    report: dict[str, Any] = {}
-    for name in rows:
-        iterations, repeats = PLAN[name]["quick" if quick else "full"]
-        t0 = time.perf_counter()
-        try:
-            report[name] = ROWS[name](iterations, repeats, out_dir, quick)
-        except BenchError as e:
-            report[name] = {"error": str(e)[-2000:]}
-            print(f"[bench] grpo_vs_trl {name} FAILED: {e}", flush=True)
-        report[name]["wall_s"] = time.perf_counter() - t0
-    return report
+    return run_rows("grpo_vs_trl", ROWS, PLAN, quick, rows, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

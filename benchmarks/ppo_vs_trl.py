@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (ENV, BenchError, check_same_work, episodes_per_s,  # noqa: E402
-                               loop_iteration_times, profile, read_metrics, spread, trl_profile)
+                               loop_iteration_times, profile, read_metrics, run_rows, spread, trl_profile)
 
 WARMUP = 1
 SYSTEMS = ("trl1", "rallyrl1")
@@ -161,17 +160,7 @@ ROWS = {"randomwalks": run_randomwalks, "smollm2": run_smollm2}
 
 
 def run(quick: bool, rows: list[str], out_dir: Path) -> dict[str, Any]:
-    report: dict[str, Any] = {}
-    for name in rows:
-        iterations, repeats = PLAN[name]["quick" if quick else "full"]
-        t0 = time.perf_counter()
-        try:
-            report[name] = ROWS[name](iterations, repeats, out_dir, quick)
-        except BenchError as e:
-            report[name] = {"error": str(e)[-2000:]}
-            print(f"[bench] ppo_vs_trl {name} FAILED: {e}", flush=True)
-        report[name]["wall_s"] = time.perf_counter() - t0
-    return report
+    return run_rows("ppo_vs_trl", ROWS, PLAN, quick, rows, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
