@@ -70,6 +70,32 @@ def run_rows(section: str, rows_table: dict[str, Any], plan: dict[str, dict[str,
     return report
 
 
+def rows_main(ap: Any, args: Any, rows_table: dict[str, Any], run: Any) -> int:
+    """The section command of a ``*_vs_trl`` script: run the ``--rows`` (unknown names are an argparse
+    error), write the JSON report to ``--out`` and print each row's ratio (or error)."""
+    import datetime
+
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    bad = [r for r in rows if r not in rows_table]
+    if bad:
+        ap.error(f"unknown row(s) {bad}; rows are {list(rows_table)}")
+    out = ROOT / args.out
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              **run(args.quick, rows, out.parent / out.stem)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({r: report[r].get("ratio", report[r].get("error")) for r in rows}, indent=2))
+    return 0
+
+
+def worker_main(args: Any, worker_rallyrl: Any, worker_trl: Any) -> int:
+    """A benchmark worker process: run one system, rank 0 writes its result JSON to ``--result``."""
+    res = worker_rallyrl(args) if args.worker == "rallyrl" else worker_trl(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.result).write_text(json.dumps(res, indent=2))
+    return 0
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The per-iteration records of ``run_dir/metrics.jsonl`` (a clear error if there are none)."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -36,7 +36,6 @@ evaluator for both.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -48,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import ENV, BenchError, loop_iteration_times, read_metrics, run_rows, run_timed  # noqa: E402
+from benchmarks.common import (ENV, BenchError, loop_iteration_times, read_metrics, rows_main, run_rows, run_timed,  # noqa: E402
+                               worker_main)
 
 CONFIG = ROOT / "examples" / "randomwalks" / "grpo.yaml"
 EVAL_PROMPTS = ROOT / "examples" / "randomwalks" / "eval_prompts.txt"
@@ -480,18 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if args.worker:
-        res = worker_rallyrl(args) if args.worker == "rallyrl" else worker_trl(args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            Path(args.result).write_text(json.dumps(res, indent=2))
-        return 0
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    out = ROOT / args.out
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              **run(args.quick, rows, out.parent / out.stem)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({r: report[r].get("ratio", report[r].get("error")) for r in rows}, indent=2))
-    return 0
+        return worker_main(args, worker_rallyrl, worker_trl)
+    return rows_main(ap, args, ROWS, run)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ update, other), from its ``time/*`` metrics.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -34,7 +32,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (ENV, BenchError, check_same_work, episodes_per_s,  # noqa: E402
-                               loop_iteration_times, profile, read_metrics, run_rows, spread, trl_profile)
+                               loop_iteration_times, profile, read_metrics, rows_main, run_rows, spread,
+                               trl_profile)
 
 WARMUP = 1
 SYSTEMS = ("trl1", "rallyrl1")
@@ -171,17 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    bad = [r for r in rows if r not in ROWS]
-    if bad:
-        ap.error(f"unknown row(s) {bad}; rows are {list(ROWS)}")
-    out = ROOT / args.out
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              **run(args.quick, rows, out.parent / out.stem)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({r: report[r].get("ratio", report[r].get("error")) for r in rows}, indent=2))
-    return 0
+    return rows_main(ap, args, ROWS, run)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (ENV, git_state, make_text_reward_model, read_metrics, run_timed, run_trl_ppo,  # noqa: E402
-                               trl_ppo_args, versions)
+                               trl_ppo_args, versions, worker_main)
 
 CONFIG = ROOT / "examples" / "randomwalks" / "config.yaml"
 EVAL_PROMPTS = ROOT / "examples" / "randomwalks" / "eval_prompts.txt"
@@ -318,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
 
     if args.worker:
-        res = worker_rallyrl(args) if args.worker == "rallyrl" else worker_trl(args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            Path(args.result).write_text(json.dumps(res, indent=2))
-        return 0
+        return worker_main(args, worker_rallyrl, worker_trl)
 
     from examples.randomwalks.prepare import default_model_dir, prepare_model
 
