@@ -476,7 +476,8 @@ def _fsdp_load_from_rank0(module: torch.nn.Module, weights: Any) -> None:
     the whole state dict (``weights.full_state_dict``) and broadcasts it one tensor at a time, each rank
     keeping its slices (``set_model_state_dict`` with ``broadcast_from_rank0``; torchtitan and
     accelerate's FSDP2 ``cpu_ram_efficient_loading`` load this way). Other ranks never hold more than
-    their shards and the one tensor in flight; rank 0 holds the state dict it read until the end."""
+    their shards and the one tensor in flight; rank 0 holds the whole state dict it read until the load
+    ends (once per model: the reference, then the policy)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     device = _device()

@@ -2,7 +2,8 @@
 
 Loading the usual way (``from_pretrained`` on every rank, then sharding) makes every rank hold the whole
 model, and a second whole copy for the ``copy`` reference, before any of it is sharded: the start-up peak
-of every rank is two full models however many ranks share them. Here instead:
+of every rank is two to three full models however many ranks share them (three on SmolLM2-135M,
+docs/scaling.md). Here instead:
 
 1. every rank builds the LM from its ``config.json`` with its parameters on the meta device (no memory,
    no initialisation; accelerate's ``init_empty_weights``), and the policy and reference trees around it
@@ -107,7 +108,7 @@ def empty_lm(auto: Any, path: str, dtype: torch.dtype) -> tuple[nn.Module | None
     # init_empty_weights moves each parameter to meta as it is registered, as a new Parameter: the tie the
     # model made while being built (head = embedding matrix) became two tensors; tie them again.
     lm.tie_weights()
-    config.name_or_path = path  # as from_pretrained
+    lm.config.name_or_path = path  # as from_pretrained
     if lm.can_generate() and (folder / "generation_config.json").is_file():
         # from_pretrained reads it too: sampling defaults and special tokens generate() uses
         lm.generation_config = GenerationConfig.from_pretrained(path)
