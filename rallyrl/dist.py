@@ -154,7 +154,7 @@ def is_sharded() -> bool:
 # gathers each block's weights and backward reduce-scatters its gradients.
 
 
-def shard(model: torch.nn.Module, forward_methods: Sequence[str] = ()) -> torch.nn.Module:
+def shard(model: torch.nn.Module, forward_methods: Sequence[str] = (), weights: Any = None) -> torch.nn.Module:
     """FSDP: shard ``model`` in place (each transformer block, then the root; ``forward_methods`` run the
     model like ``forward``, e.g. ``generate``). DDP: unchanged. Called for the policy BEFORE its
     optimizer is created (the optimizer must hold the shards) and for the frozen reference.
@@ -164,9 +164,20 @@ def shard(model: torch.nn.Module, forward_methods: Sequence[str] = ()) -> torch.
     default), and ``forward`` and ``forward_methods`` compute in bfloat16: FSDP2 through its
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (each gathered unit is cast once),
     otherwise through ``torch.autocast`` around each of those methods. Log-probs, ratios, KL,
-    advantages and losses are computed in float32 by ``ops`` either way."""
+    advantages and losses are computed in float32 by ``ops`` either way.
+
+    ``weights`` (FSDP only): ``model`` was built empty (its parameters on the meta device,
+    ``models.load_models(empty=True)``) and this is where its values are (an object with
+    ``full_state_dict(model)``, e.g. ``models.weights.InitialWeights``). Once sharded, each rank allocates
+    its own shards, rank 0 alone reads the whole state dict, and each rank receives its slices of it."""
     if is_sharded():
-        return _fsdp_shard(model, forward_methods, _compute_dtype)
+        model = _fsdp_shard(model, forward_methods, _compute_dtype)
+        if weights is not None:
+            _fsdp_load_from_rank0(model, weights)
+        return model
+    if weights is not None:
+        raise RuntimeError("a model built empty (load_models(empty=True)) is loaded only into shards: "
+                           "model.sharding: fsdp with several processes")
     if _compute_dtype is not None:
         _autocast_methods(model, ("forward", *forward_methods), _compute_dtype)
     return model
@@ -447,6 +458,8 @@ def _fsdp_shard(module: torch.nn.Module, forward_methods: Iterable[str] = (),
     # place (the loss math is out of place), so the warning, printed by every rank, is noise here.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = next(module.parameters()).device
+    if device.type == "meta":  # built empty: its shards are allocated after sharding, on this rank's device
+        device = _device()
     mesh = init_device_mesh(device.type, (tdist.get_world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype is not None
           else MixedPrecisionPolicy())
@@ -456,6 +469,29 @@ def _fsdp_shard(module: torch.nn.Module, forward_methods: Iterable[str] = (),
     for name in forward_methods:
         register_fsdp_forward_method(module, name)
     return module
+
+
+def _fsdp_load_from_rank0(module: torch.nn.Module, weights: Any) -> None:
+    """Fill a sharded ``module`` built empty: allocate this rank's shards (``to_empty``), then rank 0 reads
+    the whole state dict (``weights.full_state_dict``) and broadcasts it one tensor at a time, each rank
+    keeping its slices (``set_model_state_dict`` with ``broadcast_from_rank0``; torchtitan and
+    accelerate's FSDP2 ``cpu_ram_efficient_loading`` load this way). Other ranks never hold more than
+    their shards and the one tensor in flight; rank 0 holds the whole state dict it read until the load
+    ends (once per model: the reference, then the policy)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    device = _device()
+    # to_empty replaces every tensor, buffers included, with uninitialised memory. The buffers were
+    # built with their values (models/weights.py) and some are in no state dict (Llama's rotary
+    # inv_freq is non-persistent), so they are put back rather than loaded.
+    kept = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None and not b.is_meta]
+    module.to_empty(device=device)
+    for m, name, b in kept:
+        m._buffers[name] = b.to(device)
+    full = weights.full_state_dict(module) if tdist.get_rank() == 0 else {}
+    # The parameters are real now (no meta), so the load copies into them in place: tied parameters stay
+    # one tensor, and the optimizer created afterwards holds these very shards.
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def _fsdp_units(module: torch.nn.Module) -> list[Any]:

@@ -28,9 +28,10 @@ class Learner:
     max_grad_norm: float | None
 
     @staticmethod
-    def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int) -> "Learner":
-        # FSDP: shard first, so the optimizer is built over (and its state sharded like) the shards.
-        policy = dist.shard(policy, forward_methods=("generate", "generate_scored"))
+    def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int, weights: Any = None) -> "Learner":
+        # FSDP: shard first (and fill the shards of a policy built empty: ``weights``, see dist.shard), so
+        # the optimizer is built over (and its state sharded like) the shards.
+        policy = dist.shard(policy, forward_methods=("generate", "generate_scored"), weights=weights)
         params = [p for p in policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay,
                                       fused=_fused_adamw_ok(params) or None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -335,15 +336,21 @@ def _build(cfg: Config, inp: Inputs, device: torch.device) -> tuple[LoadedModels
     assert inp.plan.world_size == W, f"inputs were checked for {inp.plan.world_size} processes, the group has {W}"
     torch.set_num_threads(num_threads(cfg.train.num_threads))
     torch.manual_seed(cfg.train.seed)  # shared: any random init inside from_pretrained matches on all ranks
+    # FSDP: built empty (no weights read), then each model is sharded and rank 0 alone reads the weights
+    # into the shards (models/weights.py); DDP: loaded whole on every rank.
     models = _quiet(load_models, cfg.model, cfg.train.seed, inp.tokenizer, not cfg.ppo.critic_free,
-                    cfg.ppo.uses_reference)
-    models.policy.to(device)
-    if models.reference is not None:
-        models.reference.to(device)
-        models.reference = dist.shard(models.reference, forward_methods=("logprobs",))  # FSDP: sharded; DDP: as is
+                    cfg.ppo.uses_reference, dist.is_sharded())
+    if models.note and dist.is_main():
+        print(f"rallyrl: note: model.sharding: fsdp: {models.note}", file=sys.stderr, flush=True)
+    if models.weights is None:
+        models.policy.to(device)
+        if models.reference is not None:
+            models.reference.to(device)
+    if models.reference is not None:  # FSDP: sharded (and filled); DDP: as is
+        models.reference = dist.shard(models.reference, forward_methods=("logprobs",), weights=models.weights)
     seed_everything(cfg.train.seed, R)  # per-rank: generation sampling
     total_steps = cfg.train.iterations * inp.plan.optimizer_steps_per_iteration
-    learner = Learner.create(models.policy, cfg.ppo, total_steps)
+    learner = Learner.create(models.policy, cfg.ppo, total_steps, weights=models.weights)
     state = TrainState.fresh(cfg, len(inp.train_set), shuffle_seed=stream_seed(cfg.train.seed, "minibatch", R))
     return models, learner, state
 

@@ -18,6 +18,7 @@ from .base import Reference, checkpoint_activations
 from .causal import CausalPolicy, CopyReference
 from .reference import save_lora, setup_lora, setup_shared
 from .seq2seq import Seq2SeqCopyReference, Seq2SeqPolicy
+from .weights import InitialWeights, empty_lm
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                     "spiece.model")
@@ -38,6 +39,10 @@ class LoadedModels:
     policy: CausalPolicy | Seq2SeqPolicy  # a Policy (nn.Module)
     reference: Reference | None  # None: no KL term can be non-zero (ppo.uses_reference), so none is built
     tokenizer: Any
+    # Set when the models were built empty (``load_models(empty=True)``): their parameters are on the meta
+    # device until ``dist.shard(..., weights=...)`` fills their shards from these (models/weights.py).
+    weights: InitialWeights | None = None
+    note: str = ""  # why ``empty`` was asked for but the weights were loaded the usual way
 
 
 def load_tokenizer(cfg: ModelConfig):  # -> PreTrainedTokenizerBase
@@ -110,11 +115,17 @@ def check_model_folder(cfg: ModelConfig) -> None:
 
 
 def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: bool = True,
-                reference: bool = True) -> LoadedModels:
+                reference: bool = True, empty: bool = False) -> LoadedModels:
     """The one loader: policy (with a value head unless ``value_head`` is False: critic-free estimators)
     and reference for ``model.arch`` (none unless ``reference``: with beta 0 nothing reads it, so no
     copy is made, no frozen top blocks, no adapter switch), and the tokenizer (``tokenizer`` if
-    already loaded). The trainer never names a model class."""
+    already loaded). The trainer never names a model class.
+
+    ``empty`` (``model.sharding: fsdp``): build the whole model tree (policy, value head, reference)
+    without reading any weight: the LM's parameters stay on the meta device and ``LoadedModels.weights``
+    says where their values are, for ``dist.shard`` to read on rank 0 into the shards
+    (models/weights.py). When the folder cannot be read that way, or with a ``shared`` / ``lora``
+    reference, the weights are loaded as usual and ``LoadedModels.note`` says why."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     # config.validate refuses this first; the check here covers a ModelConfig built in code, before any load
@@ -124,10 +135,23 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)  # the folder was checked with the inputs
     auto, what = ((AutoModelForSeq2SeqLM, "seq2seq LM (model.arch: seq2seq)") if cfg.arch == "seq2seq"
                   else (AutoModelForCausalLM, "causal LM (model.arch: causal)"))
-    try:
-        lm = auto.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
-    except Exception as e:
-        raise ModelLoadError(f"model.path: could not load a {what} from {cfg.path}: {e}") from None
+    lm, weights, note = None, None, ""
+    if empty and cfg.reference != "copy":
+        # shared: setup_shared unties a tied head by copying its (here empty) weight and freezes the trunk;
+        # lora: peft wraps the LM and renames its keys. Both would need their own mapping from the files'
+        # names to the changed tree; until then they load the usual way, then shard.
+        note = f"model.reference: {cfg.reference} loads the whole model on every rank, then shards it"
+    elif empty:
+        try:
+            lm, weights, why = empty_lm(auto, cfg.path, getattr(torch, cfg.dtype))
+        except Exception as e:
+            raise ModelLoadError(f"model.path: could not build a {what} from {cfg.path}/config.json: {e}") from None
+        note = f"every rank loads the whole model before sharding it: {why}" if lm is None else ""
+    if lm is None:
+        try:
+            lm = auto.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
+        except Exception as e:
+            raise ModelLoadError(f"model.path: could not load a {what} from {cfg.path}: {e}") from None
     # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
     # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
     lm.eval()
@@ -138,7 +162,7 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
         ref = Seq2SeqCopyReference(lm) if reference else None
         _checkpointing(lm, cfg)
         policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, head).eval()
-        return LoadedModels(policy=policy, reference=ref, tokenizer=tok)
+        return _loaded(policy, ref, tok, weights, note)
     save = None
     if cfg.reference == "shared":
         # What trains is the same with or without a reference: the top blocks over a frozen trunk.
@@ -151,7 +175,15 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
         ref = CopyReference(lm) if reference else None
     _checkpointing(lm, cfg)  # after the references copied what they need
     policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save).eval()
-    return LoadedModels(policy=policy, reference=ref, tokenizer=tok)
+    return _loaded(policy, ref, tok, weights, note)
+
+
+def _loaded(policy: Any, ref: Reference | None, tok: Any, weights: InitialWeights | None, note: str) -> LoadedModels:
+    if weights is not None:
+        # The value head was built for real (seeded, the same on every rank): rank 0 sends its values with
+        # the LM's (dist.shard's to_empty discards what the shards held).
+        weights.in_memory |= {k: v.detach() for k, v in policy.state_dict().items() if not k.startswith("lm.")}
+    return LoadedModels(policy=policy, reference=ref, tokenizer=tok, weights=weights, note=note)
 
 
 def _checkpointing(lm: Any, cfg: ModelConfig) -> None:

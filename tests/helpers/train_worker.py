@@ -2,7 +2,9 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/helpers/train_worker.py CONFIG OUT
 
-(``RALLYRL_TEST_CALLBACKS=module:factory`` passes ``callbacks=factory()`` on every rank) writes ``OUT/rank<R>.json`` = ``{"rank", "ok", "type", "message", "start", "end"}`` (the exception's type
+(``RALLYRL_TEST_CALLBACKS=module:factory`` passes ``callbacks=factory()`` on every rank;
+``RALLYRL_TEST_FULL_LOAD=1`` makes ``model.sharding: fsdp`` load the weights the way it did before loading
+straight into shards: whole on every rank, then sharded) writes ``OUT/rank<R>.json`` = ``{"rank", "ok", "type", "message", "start", "end"}`` (the exception's type
 and message, if ``train`` raised), so a test can check that every rank ended with the same error. The
 process then leaves with ``os._exit(0)``: what is checked is the record, not the exit (a daemon thread
 still sleeping in an abandoned reward call must not decide it).
@@ -27,6 +29,10 @@ def main(config: str, out: str) -> None:
 
         module, attr = os.environ["RALLYRL_TEST_CALLBACKS"].split(":")
         callbacks = getattr(importlib.import_module(module), attr)()
+    if os.environ.get("RALLYRL_TEST_FULL_LOAD"):  # the folder "cannot" be read into shards: the usual loading
+        import rallyrl.models.loading as loading
+
+        loading.empty_lm = lambda *args: (None, None, "RALLYRL_TEST_FULL_LOAD")
     try:
         rallyrl.train(config, callbacks=callbacks)
     except BaseException as e:  # noqa: BLE001 - recorded for the test, whatever it is
