@@ -1,6 +1,11 @@
-"""One process or DDP without a loss scaler: ``dist`` calls torch directly instead of accelerate's
-``backward`` / ``clip_grad_norm_`` / optimizer wrapper (``dist._is_plain``). These tests hold that path to
-the same bits as accelerate's: the gradient norm, the clipped gradients and the optimizer step."""
+"""The per-call overheads removed after the ``floors`` benchmark (benchmarks/README.md), each held to
+the same results as before:
+
+- one process or DDP without a loss scaler: ``dist`` calls torch directly instead of accelerate's
+  ``backward`` / ``clip_grad_norm_`` / optimizer wrapper (``dist._is_plain``), to the same bits: the
+  gradient norm, the clipped gradients and the optimizer step;
+- ``rollout.pad`` in one torch call; ``quiet_generate``'s logging filter; the cached ``logits_to_keep``
+  check of ``causal_forward``."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from torch import nn
 
 from rallyrl import dist
 from rallyrl.models.base import quiet_generate
+from rallyrl.models.causal import _takes_logits_to_keep
 from rallyrl.rollout import pad
 
 
@@ -94,3 +100,16 @@ def test_quiet_generate_drops_warnings_but_not_errors_and_leaves_the_logger_as_i
         quiet_generate(LM(), torch.zeros(1, 1), torch.ones(1, 1))
     assert [r.getMessage() for r in caplog.records] == ["an error"]
     assert log.level == level and log.filters == filters
+
+
+def test_logits_to_keep_check_is_per_forward_function():
+    class Keeps(nn.Module):
+        def forward(self, input_ids, logits_to_keep=0):
+            return input_ids
+
+    class DoesNot(nn.Module):
+        def forward(self, input_ids):
+            return input_ids
+
+    assert _takes_logits_to_keep(Keeps.forward) and not _takes_logits_to_keep(DoesNot.forward)
+    assert _takes_logits_to_keep(Keeps().forward.__func__) is _takes_logits_to_keep(Keeps.forward)
