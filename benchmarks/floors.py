@@ -25,8 +25,9 @@ against a floor written with bare torch / transformers calls on the SAME modules
 A steady iteration: one whole rallyrl iteration and one of each floor run first (warm-up, untimed);
 then ``pairs`` pairs, each on a fresh batch (the trainer's prompt sampler and reward step build it,
 untimed), each phase's two sides run back to back, in alternating order (rallyrl first in even pairs).
-Per phase: ``ratio`` = median(rallyrl s) / median(floor s); ``pair_ratio``: each pair's ratio (median,
-min, max). The 1-minute load average is read before and after each task (2 shared cores).
+Per phase: ``ratio`` = the median over pairs of rallyrl s / floor s (``pair_ratio``: its min, median,
+max), and ``ratio_of_medians`` = median(rallyrl s) / median(floor s). The 1-minute load average is read
+before and after each task (2 shared cores).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from benchmarks.common import ENV, BenchError, run_timed, spread  # noqa: E402
 PHASES = ("generate", "score", "update")
 GOAL = 1.10
 # timed pairs per task (full, quick); each pair is one iteration's worth of every phase on both sides
-PAIRS = {"randomwalks": {"full": 21, "quick": 2}, "smollm2": {"full": 7, "quick": 2}}
+PAIRS = {"randomwalks": {"full": 41, "quick": 2}, "smollm2": {"full": 7, "quick": 2}}
 # SmolLM2 per iteration (episodes, response tokens), as ppo_vs_trl (quick: a smoke test of the row)
 SMOLLM2_WORK = {"full": (8, 32), "quick": (4, 8)}
 # What floors changes in the ppo_vs_trl settings so that every phase exists and is what a user runs:
@@ -70,15 +71,18 @@ def pair_order(pair: int) -> tuple[str, str]:
 
 
 def summarise_phase(rallyrl_s: Sequence[float], floor_s: Sequence[float]) -> dict[str, Any]:
-    """One phase's pairs -> seconds of each side (median, min, max), ``ratio`` = median(rallyrl) /
-    median(floor), and the spread of the per-pair ratios."""
+    """One phase's pairs -> seconds of each side (median, min, max) and ``ratio``: the median of the
+    per-pair ratios rallyrl s / floor s (each pair runs back to back, so a change of machine load
+    between pairs cancels within a pair; the sides' own medians can come from differently loaded
+    pairs), with their spread (``pair_ratio``); ``ratio_of_medians`` = median(rallyrl) / median(floor)."""
     if len(rallyrl_s) != len(floor_s) or not rallyrl_s:
         raise BenchError(f"need as many rallyrl as floor timings, at least one: {len(rallyrl_s)} vs {len(floor_s)}")
     if min(floor_s) <= 0:
         raise BenchError(f"non-positive floor time {min(floor_s)}")
-    return {"rallyrl_s": spread(list(rallyrl_s)), "floor_s": spread(list(floor_s)),
-            "ratio": statistics.median(rallyrl_s) / statistics.median(floor_s),
-            "pair_ratio": spread([a / b for a, b in zip(rallyrl_s, floor_s)]), "pairs": len(rallyrl_s),
+    pair_ratio = spread([a / b for a, b in zip(rallyrl_s, floor_s)])
+    return {"rallyrl_s": spread(list(rallyrl_s)), "floor_s": spread(list(floor_s)), "ratio": pair_ratio["median"],
+            "ratio_of_medians": statistics.median(rallyrl_s) / statistics.median(floor_s),
+            "pair_ratio": pair_ratio, "pairs": len(rallyrl_s),
             "rallyrl_s_each": list(rallyrl_s), "floor_s_each": list(floor_s)}
 
 
@@ -316,7 +320,8 @@ def worker(task: str, quick: bool, result: Path) -> dict[str, Any]:
                         "minibatches": cfg.ppo.num_minibatches, "micro_batch_size": cfg.ppo.micro_batch_size,
                         "kl_coef": cfg.ppo.init_kl_coef, "max_grad_norm": cfg.ppo.max_grad_norm,
                         "dtype": cfg.model.dtype, "model": str(cfg.model.path)},
-           "torch_threads": torch.get_num_threads(), "optimizer_fused": bool(learner.optimizer.defaults.get("fused"))}
+           "torch_threads": torch.get_num_threads(), "optimizer_fused": bool(learner.optimizer.defaults.get("fused")),
+           "rallyrl_package": str(Path(trainer.__file__).parent)}
     result.write_text(json.dumps(out, indent=2))
     return out
 

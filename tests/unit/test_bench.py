@@ -391,7 +391,8 @@ def test_floor_phase_ratio_is_of_the_medians_and_pairs_are_kept():
     from benchmarks import floors
 
     r = floors.summarise_phase([1.2, 1.0, 3.0], [1.0, 0.5, 1.0])
-    assert r["ratio"] == pytest.approx(1.2 / 1.0)  # medians 1.2 and 1.0; not the mean of the pair ratios
+    assert r["ratio"] == pytest.approx(2.0)  # pair ratios 1.2, 2.0, 3.0: their median, not the mean (2.07)
+    assert r["ratio_of_medians"] == pytest.approx(1.2 / 1.0)
     assert r["pair_ratio"] == {"min": 1.2, "median": 2.0, "max": 3.0, "n": 3}
     assert r["rallyrl_s"]["median"] == 1.2 and r["floor_s"]["max"] == 1.0 and r["pairs"] == 3
     with pytest.raises(common.BenchError, match="as many"):
@@ -419,7 +420,7 @@ def test_floor_configs_have_every_phase(tmp_path):
 
 def _floors_report():
     phase = {"rallyrl_s": {"min": 1.0, "median": 1.05, "max": 1.3, "n": 5},
-             "floor_s": {"min": 0.9, "median": 1.0, "max": 1.1, "n": 5}, "ratio": 1.05,
+             "floor_s": {"min": 0.9, "median": 1.0, "max": 1.1, "n": 5}, "ratio": 1.05, "ratio_of_medians": 1.07,
              "pair_ratio": {"min": 0.9, "median": 1.04, "max": 1.2, "n": 5}, "pairs": 5}
     slow = {**phase, "ratio": 1.25}
     return {"goal_ratio": 1.1, "processes": 1,
@@ -432,7 +433,7 @@ def test_table_has_a_floor_row_per_task_and_phase_with_the_goal():
     t = bench.table({"floors": _floors_report()})
     assert "| floors.randomwalks | generate:" in t and "| **1.05** | <= 1.1 (met) |" in t
     assert "| floors.randomwalks | update:" in t and "| **1.25** | <= 1.1 (NOT met) |" in t
-    assert "5 alternating pairs" in t and "2.0 / 3.0" in t
+    assert "5 alternating pairs" in t and "2.0 / 3.0" in t and "ratio of the medians 1.07" in t
     assert "| floors.smollm2 | (failed) | worker failed |" in t
 
 
