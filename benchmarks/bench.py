@@ -11,6 +11,11 @@ Sections (see benchmarks/README.md):
 - ``reward_phase``: the central reward step against one direct batched call, ``local`` placement, the
   reward server when present, peak RSS per rank (``benchmarks/reward_phase.py``); and ``scaling``:
   world size 1, 2, 3 on the same global work.
+- ``floors``: each phase of a steady iteration (generate, score, update) against a bare-torch floor doing
+  the same work, tasks ``randomwalks`` and ``smollm2`` (``benchmarks/floors.py``).
+
+Running some sections replaces only those in the JSON report: the other sections' results (from an
+earlier run, its date in ``meta.earlier_sections``) are kept.
 
 Only ratios measured in this same invocation are claims; the absolute seconds describe this machine at
 this moment (2 CPU cores shared with other people's jobs when these numbers were taken).
@@ -33,8 +38,11 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import ENV, BenchError, git_state, machine, versions  # noqa: E402
 
-SECTIONS = ("ppo_vs_trl", "grpo_vs_trl", "reward_phase")
-GOALS = {"ppo_ratio": 2.0, "overhead_ratio": 1.10}
+SECTIONS = ("ppo_vs_trl", "grpo_vs_trl", "reward_phase", "floors")
+# the report keys each section writes (reward_phase also writes the scaling runs)
+SECTION_KEYS = {"ppo_vs_trl": ("ppo_vs_trl",), "grpo_vs_trl": ("grpo_vs_trl",),
+                "reward_phase": ("reward_phase", "scaling"), "floors": ("floors",)}
+GOALS = {"ppo_ratio": 2.0, "overhead_ratio": 1.10, "floor_ratio": 1.10}
 
 
 def _f(x: Any, fmt: str = ".2f") -> str:
@@ -54,7 +62,52 @@ def table(report: dict[str, Any]) -> str:
     for section in ("ppo_vs_trl", "grpo_vs_trl"):
         _trl_rows(section, report.get(section, {}), add)
     _reward_phase_rows(report, add)
+    _floors_rows(report.get("floors"), add)
     return "\n".join(lines)
+
+
+def _floors_rows(fl: dict[str, Any] | None, add: Any) -> None:
+    """One row per task and phase: rallyrl's seconds vs the bare-torch floor's, the ratio of the medians."""
+    if not fl:
+        return
+    if "error" in fl:
+        add(f"| floors | (failed) | {fl['error'].splitlines()[0][:120]} | | | |")
+        return
+    for task, t in fl.items():
+        if not isinstance(t, dict):
+            continue
+        if "error" in t:
+            add(f"| floors.{task} | (failed) | {t['error'].splitlines()[0][:120]} | | | |")
+            continue
+        for phase, r in t["phases"].items():
+            ok = "met" if r["ratio"] <= GOALS["floor_ratio"] else "NOT met"
+            add(f"| floors.{task} | {phase}: s per iteration, median (min–max) of {r['pairs']} alternating pairs; "
+                f"ratio = median of the pair ratios (min–max {r['pair_ratio']['min']:.2f}–{r['pair_ratio']['max']:.2f}); "
+                f"ratio of the medians {r['ratio_of_medians']:.2f} | {_spread(r['rallyrl_s'])} | "
+                f"bare torch {_spread(r['floor_s'])} | **{r['ratio']:.2f}** | <= {GOALS['floor_ratio']} ({ok}) |")
+        add(f"| floors.{task} | 1 process, 1 torch thread; 1-min load average before / after | "
+            f"{t['load_1min_start']:.1f} / {t['load_1min_end']:.1f} | | | |")
+
+
+def merge_reports(old: dict[str, Any] | None, new: dict[str, Any], ran: list[str]) -> dict[str, Any]:
+    """``new`` (the sections in ``ran``) plus every other section of ``old``: running one section must
+    not erase the others' results. ``meta.earlier_sections`` names each kept section with the date of
+    the run that measured it."""
+    if not old:
+        return new
+    out = dict(new)
+    earlier = dict(old.get("meta", {}).get("earlier_sections", {}))
+    for section, keys in SECTION_KEYS.items():
+        if section in ran:
+            earlier.pop(section, None)
+            continue
+        kept = [k for k in keys if k in old]
+        if kept:
+            for k in kept:
+                out[k] = old[k]
+            earlier.setdefault(section, old.get("meta", {}).get("date", "?"))
+    out["meta"] = {**new["meta"], "earlier_sections": earlier}
+    return out
 
 
 def _trl_rows(section: str, rows: dict[str, Any], add: Any) -> None:
@@ -160,6 +213,8 @@ def results_md(report: dict[str, Any], raw: str = "results/latest.json") -> str:
         f"- rallyrl commit {commit}{' (with uncommitted changes: ' + ', '.join(dirty) + ')' if dirty else ''}",
         "- what each number means and how it is measured: [README.md](README.md); raw data: "
         f"[{raw}]({raw})",
+        *([f"- sections kept from earlier runs (not rerun by this command): "
+           + ", ".join(f"{k} ({v})" for k, v in meta["earlier_sections"].items())] if meta.get("earlier_sections") else []),
         "",
         table(report),
         "",
@@ -212,15 +267,22 @@ def main(argv: list[str] | None = None) -> int:
             report["reward_phase"] = {"error": str(e)[-2000:]}
             print(f"[bench] reward_phase FAILED: {e}", flush=True)
         report["reward_phase"]["wall_s"] = time.perf_counter() - t1
+    if "floors" in sections:
+        from benchmarks import floors
+
+        t1 = time.perf_counter()
+        report["floors"] = floors.run(args.quick, list(floors.PAIRS), work / "floors")
+        report["floors"]["wall_s"] = time.perf_counter() - t1
     meta.update(finished=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                 wall_s=time.perf_counter() - t0, load_end=os.getloadavg()[0])
     js, md = ROOT / args.json, ROOT / args.md
     js.parent.mkdir(parents=True, exist_ok=True)
+    report = merge_reports(json.loads(js.read_text()) if js.is_file() else None, report, sections)
     js.write_text(json.dumps(report, indent=2) + "\n")
     md.write_text(results_md(report, os.path.relpath(js, md.parent)))
     print(table(report))
     print(f"[bench] {meta['wall_s'] / 60:.1f} min; wrote {os.path.relpath(js, ROOT)} and {os.path.relpath(md, ROOT)}")
-    failed = [k for k in ("ppo_vs_trl", "grpo_vs_trl", "reward_phase") if k in report and (
+    failed = [k for k in sections if k in report and (  # this run's sections, not the ones kept from earlier
         "error" in report[k] or any(isinstance(v, dict) and "error" in v for v in report[k].values()))]
     return 1 if failed else 0
 

@@ -120,6 +120,7 @@ def is_main() -> bool:
 _accelerator: Any = None
 _sharding = "ddp"  # model.sharding, set once by init_accelerator
 _compute_dtype: torch.dtype | None = None  # train.mixed_precision: bf16 -> torch.bfloat16; no -> None
+_plain_torch = False  # accelerate's training wrappers would only add Python around the torch calls (_is_plain)
 
 
 def init_accelerator(timeout_s: float, sharding: str = "ddp", mixed_precision: str = "no") -> torch.device:
@@ -132,7 +133,7 @@ def init_accelerator(timeout_s: float, sharding: str = "ddp", mixed_precision: s
     chooses how ``shard`` / ``prepare`` and the gradient helpers below treat the trained model;
     ``mixed_precision`` (``train.mixed_precision``) the compute dtype ``shard`` gives the models.
     """
-    global _accelerator, _timeout_s, _sharding, _compute_dtype
+    global _accelerator, _timeout_s, _sharding, _compute_dtype, _plain_torch
     _timeout_s, _sharding = timeout_s, sharding
     _compute_dtype = torch.bfloat16 if mixed_precision == "bf16" else None
     from accelerate import Accelerator
@@ -140,7 +141,24 @@ def init_accelerator(timeout_s: float, sharding: str = "ddp", mixed_precision: s
 
     kwargs = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))
     _accelerator = Accelerator(cpu=not torch.cuda.is_available(), kwargs_handlers=[kwargs])
+    _plain_torch = _is_plain(_accelerator)
     return _accelerator.device
+
+
+def _is_plain(accelerator: Any) -> bool:
+    """Whether this accelerator's ``backward``, ``clip_grad_norm_`` and optimizer wrapper would run
+    exactly the torch calls ``backward``, ``clip_grad_norm`` and the optimizer make without it: one
+    process or DDP (CPU or GPU), no loss scaler (accelerate's own fp16; rallyrl's bf16 needs none), no
+    gradient accumulation of accelerate's own. Then rallyrl calls torch directly: the same operations,
+    so bit-identical results, without accelerate's per-call Python (its optimizer ``step`` looks the
+    ``lomo_optim`` package up on disk twice per call, ``zero_grad`` inspects a signature, ``backward``
+    divides by 1): about 5% of a small model's update (benchmarks/README.md, ``floors``). Anything
+    else (DeepSpeed, XLA, Megatron, accelerate's FSDP, a scaler) keeps accelerate's wrappers."""
+    from accelerate.utils import DistributedType
+
+    return (accelerator.scaler is None and accelerator.gradient_accumulation_steps == 1
+            and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
+                                                 DistributedType.MULTI_GPU))
 
 
 def is_sharded() -> bool:
@@ -200,6 +218,8 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[t
     FSDP, where ``shard`` already did the work)."""
     if is_sharded():
         return model, optimizer
+    if _plain_torch:  # the optimizer stays torch's own (see _is_plain); the model is DDP-wrapped as before
+        return _accelerator.prepare_model(model), optimizer
     return _accelerator.prepare(model, optimizer)
 
 
@@ -215,7 +235,7 @@ def gathered(*models: torch.nn.Module) -> Any:
 def backward(loss: torch.Tensor) -> None:
     """Backward pass; under DDP it all-reduces (averages) the gradients unless inside ``no_sync``;
     under FSDP it reduce-scatters (averages) them into each rank's shard."""
-    if is_sharded():
+    if is_sharded() or _plain_torch:  # DDP's all-reduce runs in the module's backward hooks either way
         loss.backward()
     else:
         _accelerator.backward(loss)
@@ -234,7 +254,24 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     gradient (the shards' partial norms are all-reduced), the same number DDP reports."""
     if is_sharded():
         return _fsdp_clip_grad_norm(model, max_norm)
+    if _plain_torch:
+        return _clip_grad_norm(list(model.parameters()), max_norm)
     return _accelerator.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def _clip_grad_norm(params: list[Any], max_norm: float) -> Any:
+    """What ``Accelerator.clip_grad_norm_`` computes for plain (non-DTensor) parameters, op for op, so
+    the norm and the clipped gradients are bit-identical to it: the total 2-norm of the gradients, its
+    norm once more over a one-element stack (as accelerate groups parameters by device mesh), then
+    ``clip_grads_with_norm_`` unless ``max_norm`` is infinite."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    with_grad = [p for p in params if p.grad is not None]
+    norm = get_total_norm([p.grad for p in with_grad], 2.0) if with_grad else None
+    total = torch.linalg.vector_norm(torch.stack([norm]) if norm is not None else torch.zeros(1), 2.0)
+    if max_norm != float("inf") and with_grad:
+        clip_grads_with_norm_(with_grad, max_norm, total)
+    return total
 
 
 def local_nbytes(tensors: Iterable[torch.Tensor]) -> int:

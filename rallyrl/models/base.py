@@ -182,9 +182,10 @@ def quiet_generate(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
     echoes the query first, a seq2seq LM starts with the decoder-start token)."""
     # We always pass the attention mask, but generate() drops an all-ones one, after which the pads of
     # finished rows make transformers warn about a missing mask; that warning does not apply.
+    # A filter, not setLevel: Logger.setLevel clears the level cache of every logger in the process
+    # (hundreds, with transformers loaded) on each call, milliseconds per generate() (benchmarks/README.md, floors).
     hf_log = logging.getLogger("transformers.modeling_utils")
-    level = hf_log.level
-    hf_log.setLevel(logging.ERROR)
+    hf_log.addFilter(_errors_only)
     try:
         # synced_gpus=False: ranks never decode in lock-step. transformers turns synced_gpus on for a
         # model with FSDP-sharded blocks (a per-step all-reduce of "done" flags), which would hang when
@@ -192,4 +193,9 @@ def quiet_generate(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
         # call instead (dist.gathered), so decoding needs no collective at all.
         return lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False, **kwargs)
     finally:
-        hf_log.setLevel(level)
+        hf_log.removeFilter(_errors_only)
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    """A logging filter that lets through errors and worse only (what ``setLevel(ERROR)`` would)."""
+    return record.levelno >= logging.ERROR

@@ -6,6 +6,7 @@ happens here and nowhere else.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from collections.abc import Callable
@@ -91,6 +92,13 @@ def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
     mask = torch.cat([query_mask, response_mask], 1)  # (B, Q+T)
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a PEFT model passes kwargs through
-    keep = "logits_to_keep" in inspect.signature(base.forward).parameters
+    keep = _takes_logits_to_keep(getattr(base.forward, "__func__", base.forward))
     return lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=hidden_states,
               use_cache=False, **({"logits_to_keep": response.shape[1] + 1} if keep else {}))
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(forward: Callable[..., Any]) -> bool:
+    """Whether a model's ``forward`` (the function, so the answer is per class) accepts ``logits_to_keep``.
+    Cached: ``inspect.signature`` costs ~0.1 ms, a few % of a small model's scoring pass (benchmarks/README.md, floors)."""
+    return "logits_to_keep" in inspect.signature(forward).parameters

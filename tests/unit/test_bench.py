@@ -381,3 +381,78 @@ def test_grpo_arithmetic_row_does_the_same_work(tmp_path, quick):
     assert cfg.data.eval_prompts is None and cfg.rollout.chunk_size == cfg.rollout.num_rollouts
     assert gv.same_work_mismatches(cfg, dict(trl, reward_weights=[1.0, 1.0])) == [
         "reward functions' weights (summed, then group statistics): rallyrl [1.0, 0.2] vs TRL [1.0, 1.0]"]
+
+
+# ------------------------------------------------------------------------------------------------
+# floors: each phase against a bare-torch floor; bench.py merges sections into latest.json
+
+
+def test_floor_phase_ratio_is_of_the_medians_and_pairs_are_kept():
+    from benchmarks import floors
+
+    r = floors.summarise_phase([1.2, 1.0, 3.0], [1.0, 0.5, 1.0])
+    assert r["ratio"] == pytest.approx(2.0)  # pair ratios 1.2, 2.0, 3.0: their median, not the mean (2.07)
+    assert r["ratio_of_medians"] == pytest.approx(1.2 / 1.0)
+    assert r["pair_ratio"] == {"min": 1.2, "median": 2.0, "max": 3.0, "n": 3}
+    assert r["rallyrl_s"]["median"] == 1.2 and r["floor_s"]["max"] == 1.0 and r["pairs"] == 3
+    with pytest.raises(common.BenchError, match="as many"):
+        floors.summarise_phase([1.0, 2.0], [1.0])
+    with pytest.raises(common.BenchError, match="non-positive"):
+        floors.summarise_phase([1.0], [0.0])
+    assert [floors.pair_order(p)[0] for p in range(4)] == ["rallyrl", "floor", "rallyrl", "floor"]
+
+
+def test_floor_configs_have_every_phase(tmp_path):
+    """Both tasks' configs, as the worker builds them: a reference (KL), a value head, the policy's
+    log-probs from a forward pass (so the scoring pass has a policy part) and clipping."""
+    from benchmarks import floors, smollm2_vs_trl
+    from benchmarks import randomwalks_vs_trl as rw
+
+    rw_cfg = load_config(str(rw.CONFIG), [o for o in rw.rallyrl_overrides(tmp_path, tmp_path / "r", 1)
+                                          if not o.startswith(("rollout.logprobs_from", "ppo.max_grad_norm"))]
+                         + floors.FLOOR_OVERRIDES)
+    sm_cfg = load_config(smollm2_vs_trl.rallyrl_config(str(tmp_path), str(tmp_path / "r"), 1, 8, 32),
+                         floors.FLOOR_OVERRIDES)
+    for cfg in (rw_cfg, sm_cfg):
+        assert cfg.ppo.uses_reference and not cfg.ppo.critic_free
+        assert cfg.rollout.logprobs_from == "forward" and cfg.ppo.max_grad_norm == 1.0
+
+
+def _floors_report():
+    phase = {"rallyrl_s": {"min": 1.0, "median": 1.05, "max": 1.3, "n": 5},
+             "floor_s": {"min": 0.9, "median": 1.0, "max": 1.1, "n": 5}, "ratio": 1.05, "ratio_of_medians": 1.07,
+             "pair_ratio": {"min": 0.9, "median": 1.04, "max": 1.2, "n": 5}, "pairs": 5}
+    slow = {**phase, "ratio": 1.25}
+    return {"goal_ratio": 1.1, "processes": 1,
+            "randomwalks": {"phases": {"generate": phase, "update": slow}, "load_1min_start": 2.0,
+                            "load_1min_end": 3.0},
+            "smollm2": {"error": "worker failed\nstack"}}
+
+
+def test_table_has_a_floor_row_per_task_and_phase_with_the_goal():
+    t = bench.table({"floors": _floors_report()})
+    assert "| floors.randomwalks | generate:" in t and "| **1.05** | <= 1.1 (met) |" in t
+    assert "| floors.randomwalks | update:" in t and "| **1.25** | <= 1.1 (NOT met) |" in t
+    assert "5 alternating pairs" in t and "2.0 / 3.0" in t and "ratio of the medians 1.07" in t
+    assert "| floors.smollm2 | (failed) | worker failed |" in t
+
+
+def test_running_one_section_keeps_the_others_results():
+    old = {"meta": {"date": "2026-12-01"}, "ppo_vs_trl": {"randomwalks": {"ratio": 3.0}},
+           "reward_phase": {"x": 1}, "scaling": {"1": {}}, "floors": {"old": True}}
+    new = {"meta": {"date": "2026-12-04"}, "floors": {"new": True}}
+    m = bench.merge_reports(old, new, ["floors"])
+    assert m["floors"] == {"new": True} and m["ppo_vs_trl"] == old["ppo_vs_trl"]
+    assert m["reward_phase"] == {"x": 1} and m["scaling"] == {"1": {}}
+    assert m["meta"]["date"] == "2026-12-04"
+    assert m["meta"]["earlier_sections"] == {"ppo_vs_trl": "2026-12-01", "reward_phase": "2026-12-01"}
+    # a later run of ppo_vs_trl only: floors is now the earlier one, ppo_vs_trl is fresh
+    m2 = bench.merge_reports(m, {"meta": {"date": "2026-12-05"}, "ppo_vs_trl": {"r": 1}}, ["ppo_vs_trl"])
+    assert m2["meta"]["earlier_sections"] == {"reward_phase": "2026-12-01", "floors": "2026-12-04"}
+    assert m2["floors"] == {"new": True} and m2["ppo_vs_trl"] == {"r": 1}
+    assert bench.merge_reports(None, new, ["floors"]) is new
+    full = _report(2.5, 1.0)
+    merged = bench.merge_reports(full, {"meta": {**full["meta"], "date": "d9"}, "floors": _floors_report()}, ["floors"])
+    md = bench.results_md(merged)
+    assert "sections kept from earlier runs (not rerun by this command): ppo_vs_trl (d0), reward_phase (d0)" in md
+    assert "| floors.randomwalks | generate:" in md and "| ppo_vs_trl.randomwalks |" in md
