@@ -174,3 +174,21 @@ def test_bf16_and_gradient_checkpointing(runs, case, sharding, tmp_path):
     assert m[1]["policy/optimizer_steps"] == 8
     weights = load_file(tmp_path / "run" / "final" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("case", ["shared-gpt2", "lora"])
+def test_fsdp_with_logprobs_from_generate(runs, case, tmp_path):
+    """rollout.logprobs_from: generate: the policy's log-probs come from the gathered generation and the
+    scoring pass runs only the reference (with the policy gathered for it); iteration 1 equals the fsdp
+    run's (whose log-probs come from a forward pass) up to the KV-cached math's float rounding."""
+    model, model_cfg = runs[case]["model"], CASES[case][1]
+    cfg = _cfg(model, tmp_path / "gen", "fsdp", model_cfg, rollout={"logprobs_from": "generate"},
+               train={"iterations": 1, "save_final": False}, checkpoint={"interval": 0})
+    proc = rallyrl_train(write_config(tmp_path / "gen.yaml", cfg), 2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    a, b = read_jsonl(runs[case]["fsdp"] / "metrics.jsonl")[0], read_jsonl(tmp_path / "gen" / "metrics.jsonl")[0]
+    for k in COMPARED:
+        assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-4), (k, a[k], b[k])
+    outputs = [[r["output"] for r in read_jsonl(d / "rollouts.jsonl") if r["step"] == 1]
+               for d in (runs[case]["fsdp"], tmp_path / "gen")]
+    assert outputs[0] == outputs[1]
