@@ -49,7 +49,8 @@ def runs(request, tmp_path_factory):
         out[case] = {"model": model}
         for sharding in ("ddp", "fsdp"):
             run = tmp / f"{case}-{sharding}"
-            proc = rallyrl_train(write_config(tmp / f"{case}-{sharding}.yaml", _cfg(model, run, sharding, model_cfg)), 2)
+            cfg = write_config(tmp / f"{case}-{sharding}.yaml", _cfg(model, run, sharding, model_cfg))
+            proc = rallyrl_train(cfg, 2)
             assert proc.returncode == 0, proc.stderr[-4000:]
             out[case][sharding] = run
     return out
