@@ -106,7 +106,8 @@ class ModelConfig:
         "rank holds all of them; gradients are all-reduced) or `fsdp` (FSDP2: each transformer block and the "
         "rest are sharded over the ranks, each holding ~1/N; weights are gathered block by block in training "
         "and once per call for generation and rollout scoring; checkpoints are sharded with "
-        "PyTorch's distributed checkpointing, DCP). `fsdp` needs `model.reference: copy`. See docs/scaling.md.",
+        "PyTorch's distributed checkpointing, DCP). Works with every `model.reference` (`shared` and `lora` run on "
+        "the policy's own sharded weights, gathered with it for the reference pass). See docs/scaling.md.",
     )
     gradient_checkpointing: bool = _f(
         False,
@@ -752,11 +753,6 @@ def validate(cfg: Config) -> None:
     if cfg.model.lora.dropout != 0:
         raise ConfigError(f"model.lora.dropout must be 0, got {cfg.model.lora.dropout}: the policy runs with dropout "
                           f"off so the rollout's log-probs and the first PPO step's agree (ratio 1)")
-    if cfg.model.sharding == "fsdp" and cfg.model.reference != "copy":
-        raise ConfigError(
-            f"model.sharding=fsdp needs model.reference=copy, got model.reference={cfg.model.reference!r}: the "
-            f"{cfg.model.reference} reference runs the policy's own (sharded) LM outside the policy's forward, "
-            f"which FSDP does not gather. Use model.reference=copy with fsdp, or model.sharding=ddp")
     tm = cfg.model.lora.target_modules
     if (isinstance(tm, str) and tm != "all-linear") or (isinstance(tm, list) and (not tm or "" in tm)):
         raise ConfigError(f"model.lora.target_modules must be 'all-linear' or a non-empty list of module names, "

@@ -203,8 +203,9 @@ def shard(model: torch.nn.Module, forward_methods: Sequence[str] = (), weights: 
 
 def _autocast_methods(model: torch.nn.Module, methods: Sequence[str], dtype: torch.dtype) -> None:
     """Run ``model``'s ``methods`` under ``torch.autocast(dtype)`` (instance attributes, so DDP's wrapper,
-    which calls ``model(...)``, runs them too)."""
-    device_type = next(model.parameters()).device.type
+    which calls ``model(...)``, runs them too). The device is this rank's, not the model's: the ``lora``
+    reference has no parameters of its own (it runs the policy's LM), yet must compute as the policy does."""
+    device_type = _accelerator.device.type
     for name in methods:
         def run(*args: Any, _fn: Callable[..., Any] = getattr(model, name), **kwargs: Any) -> Any:
             with torch.autocast(device_type, dtype=dtype):
@@ -226,7 +227,9 @@ def prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[t
 def gathered(*models: torch.nn.Module) -> Any:
     """Context in which the models' weights are whole on every rank (FSDP: one all-gather per unit on
     entry, resharded on exit; DDP: nothing to do). Stages whose forward count may differ between
-    ranks (generation, rollout scoring, eval) run inside it, so they contain no collective."""
+    ranks (generation, rollout scoring, eval) run inside it, so they contain no collective. A model that
+    runs another's weights (the ``shared`` / ``lora`` reference runs the policy's LM) is gathered
+    together with it; contexts must not nest over the same model (the inner exit would reshard it)."""
     if not is_sharded():
         return contextlib.nullcontext()
     return _fsdp_gathered(*models)
@@ -484,6 +487,10 @@ def _fsdp_shard(module: torch.nn.Module, forward_methods: Iterable[str] = (),
 
     from .config import ConfigError  # inside: dist stays cheap to import (config pulls in yaml)
 
+    if next(module.parameters(), None) is None:
+        # Nothing of its own to shard: the `lora` reference runs the policy's LM with the adapter off.
+        # What it reads is the policy's, gathered with the policy (``gathered(policy, reference)``).
+        return module
     names = _block_classes(module)
     blocks = [m for m in module.modules() if type(m).__name__ in names]
     if not blocks:

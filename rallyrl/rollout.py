@@ -269,24 +269,40 @@ def score_tokens(policy: Policy, reference: Reference | None, gen: Generated, te
     (log-probs; skipped when there is none); None for an empty chunk. With ``from_generation`` (``rollout.logprobs_from: generate``) the policy's part was
     kept by ``generate`` and only the reference runs. Every rank calls it in every chunk round: under
     FSDP each model is gathered in turn (one whole model at a time) around its forward, so a rank
-    without samples still takes part (``from_generation`` comes from the config, the same on all ranks)."""
+    without samples still takes part (``from_generation`` comes from the config, the same on all ranks).
+    A reference that runs the policy's own weights (``reads_policy``: the ``shared`` trunk, the ``lora``
+    base) is gathered together with the policy instead, for both passes: its forward reads them."""
     q, qm = gen.query_ids.to(device), gen.query_mask.to(device)
     r, rm = gen.response_ids.to(device), gen.response_mask.to(device)
-    if from_generation:
-        if gen.logprobs is None:
-            raise ValueError("score_tokens(from_generation=True) needs generate(..., scored=True) output")
+    if from_generation and gen.logprobs is None:
+        raise ValueError("score_tokens(from_generation=True) needs generate(..., scored=True) output")
+    logprobs = values = ref_lp = None
+
+    def policy_pass() -> None:
+        nonlocal logprobs, values
+        if len(gen) and not from_generation:
+            logits, values = policy(q, qm, r, rm)  # (B, T, V), (B, T)
+            # Temperature is part of the sampling policy, so log-probs (and the KL) are of the scaled
+            # logits, in the rollout pass and in training alike (as in TRL).
+            logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
+
+    def reference_pass() -> None:
+        nonlocal ref_lp
+        if len(gen):
+            ref_lp = reference.logprobs(q, qm, r, rm, temperature)  # (B, T)
+
+    # Every choice below comes from the config (the same on every rank): no rank skips a collective.
+    if reference is not None and reference.reads_policy:
+        with dist.gathered(policy, reference):
+            policy_pass()
+            reference_pass()
     else:
-        with dist.gathered(policy):
-            if len(gen):
-                logits, values = policy(q, qm, r, rm)  # (B, T, V), (B, T)
-                # Temperature is part of the sampling policy, so log-probs (and the KL) are of the scaled
-                # logits, in the rollout pass and in training alike (as in TRL).
-                logprobs = ops.logprobs_from_logits(logits.float() / temperature, r)  # (B, T)
-                del logits
-    ref_lp = None
-    if reference is not None:  # the same on every rank (from the config): no rank skips a collective
-        with dist.gathered(reference):
-            ref_lp = reference.logprobs(q, qm, r, rm, temperature) if len(gen) else None  # (B, T)
+        if not from_generation:
+            with dist.gathered(policy):
+                policy_pass()
+        if reference is not None:
+            with dist.gathered(reference):
+                reference_pass()
     if not len(gen):
         return None
     ref = (ref_lp * rm).cpu() if ref_lp is not None else None

@@ -54,6 +54,10 @@ class Policy(Protocol):
 class Reference(Protocol):
     """The frozen reference policy of the KL penalty."""
 
+    # True when ``logprobs`` runs the policy's own weights (the ``shared`` trunk, the ``lora`` base), so
+    # under fsdp the policy is gathered together with the reference for it (``rollout.score_tokens``).
+    reads_policy: bool
+
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
         """(B, T) log-probabilities of the response tokens under the reference, logits divided by

@@ -25,10 +25,12 @@ class CausalPolicy(nn.Module):
     None: no value head at all (critic-free estimators), ``forward`` gives values None."""
 
     def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str | None = "linear",
-                 save: Callable[[nn.Module, Path], None] | None = None) -> None:
+                 save: Callable[..., None] | None = None) -> None:
         super().__init__()
         self.lm = lm
-        self._save = save  # how final/ is written when the LM is not a plain transformers model (LoRA)
+        # how final/ is written when the LM is not a plain transformers model (LoRA):
+        # save(lm, out, state_dict=None | the whole policy state dict when the parameters are shards)
+        self._save = save
         self.v_head = value_head_or_none(lm.config.get_text_config().hidden_size, head, value_head_std, seed,
                                          next(lm.parameters()).dtype)
 
@@ -63,13 +65,15 @@ class CausalPolicy(nn.Module):
         """``state_dict``: this policy's whole state dict (``lm.*``, ``v_head.*``) when the module's own
         parameters are shards (FSDP assembles it on the main rank); the LM part is what is written."""
         if self._save is not None:
-            self._save(self.lm, Path(out))
+            self._save(self.lm, Path(out), state_dict=state_dict)
         else:
             self.lm.save_pretrained(out, safe_serialization=True, **lm_save_kwargs(state_dict))
 
 
 class CopyReference(nn.Module):
     """The reference as a full frozen copy of the initial causal LM (trlx / TRL default)."""
+
+    reads_policy = False  # its own weights only: under fsdp it is gathered alone
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()

@@ -67,7 +67,13 @@ class SharedReference(nn.Module):
     block's inputs (hidden state and the kwargs the model computed: causal mask, rotary position
     embeddings, position ids) and stops the forward there, so the trunk runs once and the trainable
     blocks not at all. The captured inputs then go through the frozen copies.
+
+    Under ``model.sharding: fsdp`` the trunk is the policy's sharded LM: ``reads_policy`` tells the
+    rollout to gather the policy together with this reference for ``logprobs``; this module's own frozen
+    copies are sharded like any model (``_no_split_modules`` names their block class for ``dist.shard``).
     """
+
+    reads_policy = True  # logprobs runs the policy's own LM (its frozen trunk)
 
     def __init__(self, lm: nn.Module, num_layers_unfrozen: int) -> None:
         super().__init__()
@@ -80,6 +86,9 @@ class SharedReference(nn.Module):
         # submodule, so reference.parameters() would hold trainable weights.
         self._first = [blocks[L - k]]
         self.blocks = frozen_copy(blocks[L - k :])
+        # The transformer-block classes, as a Hugging Face model declares them: dist.shard makes each of
+        # the copied blocks one FSDP unit (this module holds no PreTrainedModel that would declare them).
+        self._no_split_modules = list(getattr(lm, "_no_split_modules", None) or [])
         self.norm = frozen_copy(norm)
         head, emb = lm.get_output_embeddings(), lm.get_input_embeddings()
         self.tied = head.weight is emb.weight
@@ -96,7 +105,9 @@ class SharedReference(nn.Module):
             captured.update(args=args, kwargs=kwargs)
             raise _TrunkDone
 
-        handle = self._first[0].register_forward_pre_hook(stop, with_kwargs=True)
+        # prepend: the hook runs before any other pre-hook of that block, FSDP's included, so under fsdp
+        # the policy's first trainable block is never entered (nor gathered) for the reference.
+        handle = self._first[0].register_forward_pre_hook(stop, with_kwargs=True, prepend=True)
         try:
             causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False)
         except _TrunkDone:
@@ -146,7 +157,10 @@ def setup_shared(lm: nn.Module, num_layers_unfrozen: int, reference: bool = True
 
 
 class LoraReference(nn.Module):
-    """The policy's own PEFT model with its adapter disabled: the base weights, which never train."""
+    """The policy's own PEFT model with its adapter disabled: the base weights, which never train. It
+    holds no parameters (``dist.shard`` leaves it as is); under fsdp the policy is gathered with it."""
+
+    reads_policy = True  # logprobs runs the policy's own LM (adapter off)
 
     def __init__(self, peft_lm: nn.Module) -> None:
         super().__init__()
@@ -178,15 +192,38 @@ def setup_lora(lm: nn.Module, cfg: LoraConfig) -> tuple[nn.Module, LoraReference
     return peft_lm, LoraReference(peft_lm)
 
 
-def save_lora(peft_lm: nn.Module, out: Path, merge: bool) -> None:
+def save_lora(peft_lm: nn.Module, out: Path, merge: bool, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """``final/``: the adapter (``save_pretrained`` of the PEFT model); with ``merge`` the merged model
     goes to ``final/`` and the adapter to ``final/adapter/`` (transformers would load an adapter config
-    found next to a model's config.json on top of it, applying the adapter twice)."""
+    found next to a model's config.json on top of it, applying the adapter twice). ``state_dict``: the
+    whole policy state dict (``lm.*``), given when ``peft_lm``'s own parameters are FSDP shards; the
+    folder is then written from an unsharded copy built from it (``_unsharded_copy``)."""
+    own = state_dict is None
+    if not own:
+        peft_lm = _unsharded_copy(peft_lm, state_dict)
     if not merge:
         peft_lm.save_pretrained(out, safe_serialization=True)
         return
     peft_lm.save_pretrained(out / "adapter", safe_serialization=True)
-    # merge_and_unload() folds the adapter into the wrapped model in place: merge a copy, so the policy
-    # stays trainable (final/ is written at the end of training; the copy is freed right after).
-    merged = copy.deepcopy(peft_lm).merge_and_unload()
+    # merge_and_unload() folds the adapter into the wrapped model in place: merge a copy of the policy's
+    # own model, so the policy stays trainable (final/ is written at the end of training; the copy is
+    # freed right after). An unsharded copy is ours to merge.
+    merged = (copy.deepcopy(peft_lm) if own else peft_lm).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
+
+
+def _unsharded_copy(peft_lm: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A CPU PEFT model like ``peft_lm`` (same architecture, same LoRA config) holding ``state_dict``'s
+    ``lm.*`` weights: what ``save_lora`` writes under fsdp, where the policy's parameters are shards and
+    PEFT's own saving and merging need whole ones. One full copy on the main rank, as ``copy`` costs."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    lm_sd = {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}
+    base = peft_lm.get_base_model()
+    config = copy.deepcopy(peft_lm.peft_config[peft_lm.active_adapter])
+    fresh = AutoModelForCausalLM.from_config(base.config, dtype=next(iter(lm_sd.values())).dtype)
+    fresh.name_or_path = base.name_or_path  # PEFT records it as the adapter's base model, as unsharded
+    out = peft.get_peft_model(fresh, config)
+    out.load_state_dict(lm_sd, strict=True)
+    return out.eval()

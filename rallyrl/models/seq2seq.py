@@ -63,6 +63,8 @@ class Seq2SeqPolicy(nn.Module):
 class Seq2SeqCopyReference(nn.Module):
     """The reference as a full frozen copy of the initial seq2seq LM."""
 
+    reads_policy = False  # its own weights only: under fsdp it is gathered alone
+
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = frozen_copy(lm)
