@@ -106,8 +106,10 @@ class ModelConfig:
         "rank holds all of them; gradients are all-reduced) or `fsdp` (FSDP2: each transformer block and the "
         "rest are sharded over the ranks, each holding ~1/N; weights are gathered block by block in training "
         "and once per call for generation and rollout scoring; checkpoints are sharded with "
-        "PyTorch's distributed checkpointing, DCP). Works with every `model.reference` (`shared` and `lora` run on "
-        "the policy's own sharded weights, gathered with it for the reference pass). See docs/scaling.md.",
+        "PyTorch's distributed checkpointing, DCP). The models are built empty and rank 0 alone reads the "
+        "safetensors weights into every rank's shards (others: loaded whole first, with a note). Works with every "
+        "`model.reference` (`shared` and `lora` run on the policy's own sharded weights, gathered with it for the "
+        "reference pass). See docs/scaling.md.",
     )
     gradient_checkpointing: bool = _f(
         False,
