@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from .errors import CollectiveTimeoutError, Failure, RunDirWriteError, StageError
+from .errors import CollectiveTimeoutError, Failure, ModelWeightsError, RunDirWriteError, StageError
 
 T = TypeVar("T")
 
@@ -532,7 +532,9 @@ def _fsdp_load_from_rank0(module: torch.nn.Module, weights: Any) -> None:
     module.to_empty(device=device)
     for m, name, b in kept:
         m._buffers[name] = b.to(device)
-    full = weights.full_state_dict(module) if tdist.get_rank() == 0 else {}
+    # Agreed before the broadcast: if rank 0 cannot read a file (I/O error, out of memory) every rank
+    # raises the same error here, instead of the others waiting in the broadcast for a peer that left.
+    full = agree(lambda: weights.full_state_dict(module) if tdist.get_rank() == 0 else {}, ModelWeightsError)
     # The parameters are real now (no meta), so the load copies into them in place: tied parameters stay
     # one tensor, and the optimizer created afterwards holds these very shards.
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -98,6 +98,14 @@ class NonFiniteError(StageError):
     what = "update"
 
 
+class ModelWeightsError(StageError):
+    """Rank 0 could not read the initial weights it sends every rank (``model.sharding: fsdp``, loading
+    straight into shards): raised on every rank, instead of the others failing later with a broken
+    connection."""
+
+    what = "reading the model's weights"
+
+
 class CollectiveTimeoutError(RuntimeError):
     """A rank waited longer than ``dist.timeout_s`` in a collective: a peer is stuck or dead."""
 

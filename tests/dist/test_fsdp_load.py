@@ -56,3 +56,24 @@ def test_loading_into_shards_trains_exactly_as_loading_whole(case, tiny_model, t
     assert [key(r) for r in read_jsonl(old / "rollouts.jsonl")] == [key(r) for r in read_jsonl(new / "rollouts.jsonl")]
     fa, fb = load_file(old / "final" / "model.safetensors"), load_file(new / "final" / "model.safetensors")
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_rank_0_failing_to_read_the_weights_fails_every_rank_with_its_error(tiny_model, tmp_path):
+    """Rank 0 alone reads the files; when that fails, the other rank must not sit in the broadcast
+    waiting for it: every rank raises the same ModelWeightsError, carrying rank 0's OS error, and nothing
+    was trained."""
+    cfg = base_config(tiny_model, tmp_path / "run")
+    cfg["model"]["sharding"] = "fsdp"
+    out = tmp_path / "ranks"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "helpers" / "train_worker.py"), str(write_config(tmp_path / "c.yaml", cfg)), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env(RALLYRL_TEST_UNREADABLE_WEIGHTS="1"))
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["type"] for r in ranks] == ["ModelWeightsError"] * 2, (ranks, proc.stderr[-3000:])
+    assert ranks[0]["message"] == ranks[1]["message"]
+    assert "on rank 0" in ranks[0]["message"] and "Input/output error" in ranks[0]["message"]
+    assert "model.safetensors" in ranks[0]["message"]
+    assert max(r["end"] - r["start"] for r in ranks) < 60  # no rank waited for a collective timeout
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "run" / "metrics.jsonl")

@@ -4,7 +4,8 @@
 
 (``RALLYRL_TEST_CALLBACKS=module:factory`` passes ``callbacks=factory()`` on every rank;
 ``RALLYRL_TEST_FULL_LOAD=1`` makes ``model.sharding: fsdp`` load the weights the way it did before loading
-straight into shards: whole on every rank, then sharded) writes ``OUT/rank<R>.json`` = ``{"rank", "ok", "type", "message", "start", "end"}`` (the exception's type
+straight into shards: whole on every rank, then sharded; ``RALLYRL_TEST_UNREADABLE_WEIGHTS=1`` makes rank 0's
+read of the initial weights fail with an I/O error) writes ``OUT/rank<R>.json`` = ``{"rank", "ok", "type", "message", "start", "end"}`` (the exception's type
 and message, if ``train`` raised), so a test can check that every rank ended with the same error. The
 process then leaves with ``os._exit(0)``: what is checked is the record, not the exit (a daemon thread
 still sleeping in an abandoned reward call must not decide it).
@@ -33,6 +34,14 @@ def main(config: str, out: str) -> None:
         import rallyrl.models.loading as loading
 
         loading.empty_lm = lambda *args: (None, None, "RALLYRL_TEST_FULL_LOAD")
+    if os.environ.get("RALLYRL_TEST_UNREADABLE_WEIGHTS") and rank == 0:  # rank 0's read of the weights fails
+        from rallyrl.models.weights import InitialWeights
+
+        def unreadable(self, module):
+            path = next(iter(self.files.values()))[0]
+            raise OSError(5, "Input/output error", str(path))
+
+        InitialWeights.full_state_dict = unreadable
     try:
         rallyrl.train(config, callbacks=callbacks)
     except BaseException as e:  # noqa: BLE001 - recorded for the test, whatever it is
