@@ -245,6 +245,15 @@ class GenerationConfig:
     stop_sequences: list[str] = _f(
         [], "Strings that end a response: tokens after the one completing the string are dropped."
     )
+    prefill_once: bool = _f(
+        True,
+        "Prefill each distinct prompt of a generation chunk once and expand its KV cache (seq2seq: its "
+        "encoding) to the chunk's other copies of it (the G members of a group, `rollout.samples_per_prompt`), "
+        "instead of prefilling every copy. Greedy decoding gives the same tokens and sampling the same "
+        "distribution; generation is 1.39x faster at G = 8 with ~100-token prompts and 32 new tokens on "
+        "SmolLM2-135M (docs/scaling.md). Chunks without a repeated prompt, one-token prompts and models "
+        "whose cache cannot be expanded take the ordinary path.",
+    )
 
 
 @dataclass

@@ -216,13 +216,22 @@ def truncate_at_stop(ids: list[int], tokenizer: Any, stop_sequences: list[str]) 
     return ids[:lo]
 
 
+def prompt_index(query_ids: list[list[int]]) -> list[int] | None:
+    """For each query, the index of the first query with the same tokens; None when no query repeats
+    (then there is nothing to prefill once)."""
+    first: dict[tuple[int, ...], int] = {}
+    index = [first.setdefault(tuple(q), i) for i, q in enumerate(query_ids)]
+    return index if len(first) < len(index) else None
+
+
 @torch.no_grad()
 def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: GenerationConfig, do_sample: bool,
              device: torch.device, scored: bool = False) -> Generated:
     """Sample responses for one chunk of prompts through ``policy.generate`` (KV cache on); with
     ``scored`` (``rollout.logprobs_from: generate``) through ``policy.generate_scored``, which also
     keeps the policy's log-probs and values of the sampled tokens, so ``score_tokens`` needs no
-    policy forward.
+    policy forward. With ``gen.prefill_once`` a query repeated in the chunk (a group's G members) is
+    prefilled once and its cache shared by its copies.
 
     Every rank calls it in every chunk round, with or without prompts: under FSDP the policy's weights
     are gathered once for the whole call (a collective), after which ranks decode independently for as
@@ -239,6 +248,9 @@ def generate(policy: Policy, tokenizer: Any, query_ids: list[list[int]], gen: Ge
             sampling.update(temperature=gen.temperature, top_k=gen.top_k or None, top_p=gen.top_p)
         else:
             sampling.update(temperature=None, top_k=None, top_p=None)
+        same = prompt_index(query_ids) if gen.prefill_once else None  # a group's G copies: one prefill
+        if same is not None:
+            sampling["prompt_index"] = torch.tensor(same, device=device)
         if scored:
             ids, step_lp, step_v = policy.generate_scored(q.to(device), qm.to(device), gen.temperature, **sampling)
         else:

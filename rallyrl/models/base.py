@@ -33,11 +33,15 @@ class Policy(Protocol):
         estimators: no head module, parameters or optimizer state exist)."""
         ...
 
-    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
-        """Sampled response token ids (B, T') for the queries (no query tokens; ends padded)."""
+    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, prompt_index: torch.Tensor | None = None,
+                 **sampling: Any) -> torch.Tensor:
+        """Sampled response token ids (B, T') for the queries (no query tokens; ends padded).
+        ``prompt_index`` (B,): for each row, the first row holding the same query (``generation.prefill_once``:
+        each distinct query is then prefilled once and its cache shared); None: every row on its own."""
         ...
 
     def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
+                        prompt_index: torch.Tensor | None = None,
                         **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As ``generate``, plus what ``forward`` would give for those tokens, taken from the decoding
         itself: log-probs (B, T') of the sampled tokens under the logits divided by ``score_temperature``
@@ -179,6 +183,14 @@ def scored_from_generation(ids: torch.Tensor, step_logits: tuple[torch.Tensor, .
         return logprobs, None
     values = v_head(torch.stack(states, 1)).squeeze(-1).float()  # (B, T')
     return logprobs, values
+
+
+def distinct_rows(prompt_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From ``prompt_index`` (B,) (each row's first row with the same query): the distinct rows to
+    prefill (D,), ascending, and for each row its position among them (B,), to expand a (D, ...) result
+    to (B, ...) with one index."""
+    firsts, expand = torch.unique(prompt_index, return_inverse=True)
+    return firsts, expand
 
 
 def quiet_generate(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, **kwargs: Any) -> Any:

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import (frozen_copy, last_position_states, lm_save_kwargs, quiet_generate, scored_from_generation,
-                   value_head_or_none)
+from .base import (distinct_rows, frozen_copy, last_position_states, lm_save_kwargs, quiet_generate,
+                   scored_from_generation, value_head_or_none)
 
 
 class CausalPolicy(nn.Module):
@@ -46,18 +46,23 @@ class CausalPolicy(nn.Module):
         return logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
 
     @torch.no_grad()
-    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
-        return quiet_generate(self.lm, query, query_mask, **sampling)[:, query.shape[1] :]  # (B, T')
+    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, prompt_index: torch.Tensor | None = None,
+                 **sampling: Any) -> torch.Tensor:
+        cache = shared_prefill(self.lm, query, query_mask, prompt_index)
+        return quiet_generate(self.lm, query, query_mask, **cache, **sampling)[:, query.shape[1] :]  # (B, T')
 
     @torch.no_grad()
     def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
+                        prompt_index: torch.Tensor | None = None,
                         **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # Before the hook below: the prefill's states choose no response token.
+        cache = shared_prefill(self.lm, query, query_mask, prompt_index)
         # The LM head's input is the final hidden state forward() puts the value head on
         # (hidden_states[-1]); generate() computes it at each step anyway.
         head_input = self.lm.get_output_embeddings() if self.v_head is not None else None
         with last_position_states(head_input, of_input=True) as states:
             out = quiet_generate(self.lm, query, query_mask, return_dict_in_generate=True, output_logits=True,
-                                 **sampling)
+                                 **cache, **sampling)
         ids = out.sequences[:, query.shape[1] :]  # (B, T')
         return ids, *scored_from_generation(ids, out.logits, states, self.v_head, score_temperature)
 
@@ -85,6 +90,39 @@ class CopyReference(nn.Module):
         T = response.shape[1]
         logits = causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
         return ops.logprobs_from_logits(logits[:, -(T + 1) : -1].float() / temperature, response)  # (B, T)
+
+
+def shared_prefill(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
+                   prompt_index: torch.Tensor | None) -> dict[str, Any]:
+    """``generate`` kwargs that prefill each distinct query once (``generation.prefill_once``): the KV
+    cache of every query's first Q - 1 tokens, computed on the D distinct rows and expanded to the B
+    rows by index (``Cache.batch_select_indices``); {} for the ordinary path.
+
+    The last query token is left out of the cache on purpose: generate() then runs it as its first
+    decoding step, on the whole batch, exactly where it would have taken the first token's logits from
+    the prefill (a cache as long as the input leaves generate() nothing to run). Positions and mask are
+    the ones generate() itself derives from the left-padded mask, so the cached keys are the same
+    numbers the ordinary prefill would cache (up to float rounding of a smaller batch). One-token
+    queries, a batch without repeats and a model whose cache has no batch index (not a ``DynamicCache``)
+    take the ordinary path."""
+    if prompt_index is None or query.shape[1] < 2:
+        return {}
+    firsts, expand = distinct_rows(prompt_index.to(query.device))
+    if len(firsts) == query.shape[0]:
+        return {}
+    ids, mask = query[firsts, :-1], query_mask[firsts, :-1]  # (D, Q-1)
+    position_ids = (mask.long().cumsum(-1) - 1).masked_fill(~mask.bool(), 1)  # as generate() derives them
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    keep = _takes_logits_to_keep(getattr(base.forward, "__func__", base.forward))
+    out = lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+             **({"logits_to_keep": 1} if keep else {}))  # the logits are not used: compute one column
+    # transformers 5 calls the cache `cache` (the old name still works, with a deprecation warning)
+    name = "cache" if out.get("cache") is not None else "past_key_values"
+    cache = out.get(name)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return {}
+    cache.batch_select_indices(expand)  # (D, ...) -> (B, ...): row i holds its query's cache
+    return {name: cache}
 
 
 def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,

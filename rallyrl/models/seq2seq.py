@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import (frozen_copy, last_position_states, lm_save_kwargs, quiet_generate, scored_from_generation,
-                   value_head_or_none)
+from .base import (distinct_rows, frozen_copy, last_position_states, lm_save_kwargs, quiet_generate,
+                   scored_from_generation, value_head_or_none)
 
 
 class Seq2SeqPolicy(nn.Module):
@@ -40,19 +40,23 @@ class Seq2SeqPolicy(nn.Module):
         return out.logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
 
     @torch.no_grad()
-    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, **sampling: Any) -> torch.Tensor:
+    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, prompt_index: torch.Tensor | None = None,
+                 **sampling: Any) -> torch.Tensor:
+        enc = shared_encoding(self.lm, query, query_mask, prompt_index)
         # generate returns decoder ids, starting with the decoder-start token
-        return quiet_generate(self.lm, query, query_mask, **sampling)[:, 1:]  # (B, T')
+        return quiet_generate(self.lm, query, query_mask, **enc, **sampling)[:, 1:]  # (B, T')
 
     @torch.no_grad()
     def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
+                        prompt_index: torch.Tensor | None = None,
                         **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        enc = shared_encoding(self.lm, query, query_mask, prompt_index)
         # The decoder stack's output is forward()'s decoder_hidden_states[-1] (not the LM head's input:
         # a tied T5 rescales it before the head).
         decoder = self.lm.get_decoder() if self.v_head is not None else None
         with last_position_states(decoder, of_input=False) as states:
             out = quiet_generate(self.lm, query, query_mask, return_dict_in_generate=True, output_logits=True,
-                                 **sampling)
+                                 **enc, **sampling)
         ids = out.sequences[:, 1:]  # (B, T')
         return ids, *scored_from_generation(ids, out.logits, states, self.v_head, score_temperature)
 
@@ -74,6 +78,23 @@ class Seq2SeqCopyReference(nn.Module):
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
         logits = _seq2seq_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
         return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
+
+
+def shared_encoding(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
+                    prompt_index: torch.Tensor | None) -> dict[str, Any]:
+    """``generate`` kwargs that encode each distinct query once (``generation.prefill_once``): the
+    encoder's output on the D distinct rows, expanded to the B rows by index (generate() skips its own
+    encoder pass when given ``encoder_outputs``); {} for the ordinary path (no repeated query). A row's
+    encoding depends on that row alone, so every row gets what its own encoding would be (up to float
+    rounding of a smaller batch); the attention mask of all B rows still goes to generate()."""
+    if prompt_index is None:
+        return {}
+    firsts, expand = distinct_rows(prompt_index.to(query.device))
+    if len(firsts) == query.shape[0]:
+        return {}
+    enc = lm.get_encoder()(input_ids=query[firsts], attention_mask=query_mask[firsts], return_dict=True)
+    enc["last_hidden_state"] = enc.last_hidden_state[expand]  # (D, Q, H) -> (B, Q, H)
+    return {"encoder_outputs": enc}
 
 
 def decoder_start_id(lm: nn.Module) -> int:
