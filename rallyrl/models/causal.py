@@ -112,10 +112,8 @@ def shared_prefill(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
         return {}
     ids, mask = query[firsts, :-1], query_mask[firsts, :-1]  # (D, Q-1)
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(~mask.bool(), 1)  # as generate() derives them
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    keep = _takes_logits_to_keep(getattr(base.forward, "__func__", base.forward))
     out = lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-             **({"logits_to_keep": 1} if keep else {}))  # the logits are not used: compute one column
+             **_logits_to_keep(lm, 1))  # the logits are not used: compute one column
     # transformers 5 calls the cache `cache` (the old name still works, with a deprecation warning)
     name = "cache" if out.get("cache") is not None else "past_key_values"
     cache = out.get(name)
@@ -133,10 +131,14 @@ def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
     ids = torch.cat([query, response], 1)  # (B, Q+T)
     mask = torch.cat([query_mask, response_mask], 1)  # (B, Q+T)
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
-    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a PEFT model passes kwargs through
-    keep = _takes_logits_to_keep(getattr(base.forward, "__func__", base.forward))
     return lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=hidden_states,
-              use_cache=False, **({"logits_to_keep": response.shape[1] + 1} if keep else {}))
+              use_cache=False, **_logits_to_keep(lm, response.shape[1] + 1))
+
+
+def _logits_to_keep(lm: nn.Module, n: int) -> dict[str, int]:
+    """``{"logits_to_keep": n}`` (only the last n positions' logits are computed) where ``lm`` accepts it."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # a PEFT model passes kwargs through
+    return {"logits_to_keep": n} if _takes_logits_to_keep(getattr(base.forward, "__func__", base.forward)) else {}
 
 
 @functools.lru_cache(maxsize=None)
