@@ -185,12 +185,14 @@ def scored_from_generation(ids: torch.Tensor, step_logits: tuple[torch.Tensor, .
     return logprobs, values
 
 
-def distinct_rows(prompt_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def distinct_rows(prompt_index: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """From ``prompt_index`` (B,) (each row's first row with the same query): the distinct rows to
     prefill (D,), ascending, and for each row its position among them (B,), to expand a (D, ...) result
-    to (B, ...) with one index."""
-    firsts, expand = torch.unique(prompt_index, return_inverse=True)
-    return firsts, expand
+    to (B, ...) with one index; None when there is nothing to share (no index, or no row repeats)."""
+    if prompt_index is None:
+        return None
+    firsts, expand = torch.unique(prompt_index.to(device), return_inverse=True)
+    return (firsts, expand) if len(firsts) < len(prompt_index) else None
 
 
 def quiet_generate(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, **kwargs: Any) -> Any:

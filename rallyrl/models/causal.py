@@ -105,11 +105,10 @@ def shared_prefill(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
     numbers the ordinary prefill would cache (up to float rounding of a smaller batch). One-token
     queries, a batch without repeats and a model whose cache has no batch index (not a ``DynamicCache``)
     take the ordinary path."""
-    if prompt_index is None or query.shape[1] < 2:
+    rows = distinct_rows(prompt_index, query.device)
+    if rows is None or query.shape[1] < 2:
         return {}
-    firsts, expand = distinct_rows(prompt_index.to(query.device))
-    if len(firsts) == query.shape[0]:
-        return {}
+    firsts, expand = rows
     ids, mask = query[firsts, :-1], query_mask[firsts, :-1]  # (D, Q-1)
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(~mask.bool(), 1)  # as generate() derives them
     out = lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,

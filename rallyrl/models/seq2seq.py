@@ -87,11 +87,10 @@ def shared_encoding(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor
     encoder pass when given ``encoder_outputs``); {} for the ordinary path (no repeated query). A row's
     encoding depends on that row alone, so every row gets what its own encoding would be (up to float
     rounding of a smaller batch); the attention mask of all B rows still goes to generate()."""
-    if prompt_index is None:
+    rows = distinct_rows(prompt_index, query.device)
+    if rows is None:
         return {}
-    firsts, expand = distinct_rows(prompt_index.to(query.device))
-    if len(firsts) == query.shape[0]:
-        return {}
+    firsts, expand = rows
     enc = lm.get_encoder()(input_ids=query[firsts], attention_mask=query_mask[firsts], return_dict=True)
     enc["last_hidden_state"] = enc.last_hidden_state[expand]  # (D, Q, H) -> (B, Q, H)
     return {"encoder_outputs": enc}

@@ -56,8 +56,10 @@ class _Calls:
 def test_prompt_index_and_distinct_rows():
     assert prompt_index([[1, 2], [3], [1, 2], [3], [4]]) == [0, 1, 0, 1, 4]
     assert prompt_index([[1, 2], [3], [4]]) is None  # no repeat: nothing to share
-    firsts, expand = distinct_rows(torch.tensor([0, 1, 0, 1, 4]))
+    firsts, expand = distinct_rows(torch.tensor([0, 1, 0, 1, 4]), torch.device("cpu"))
     assert firsts.tolist() == [0, 1, 4] and expand.tolist() == [0, 1, 0, 1, 2]
+    assert distinct_rows(torch.tensor([0, 1, 2]), torch.device("cpu")) is None  # no repeat
+    assert distinct_rows(None, torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "lora", "t5"])
