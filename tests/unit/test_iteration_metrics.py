@@ -2,7 +2,7 @@
 
 import torch
 
-from rallyrl import metrics
+from rallyrl.learn import metrics
 from rallyrl.config import BatchPlan, load_config
 from rallyrl.reward.step import Reward, StepStats
 from rallyrl.rollout import Advantages, Episodes, Rollouts, Scored, pad
