@@ -22,10 +22,27 @@ Shape legend used in docstrings and ``# (B, T)`` comments:
 * ``T`` -- response length (padded)
 * ``V`` -- vocabulary size
 
-Mask convention: ``mask`` is a bool (or 0/1) tensor, True for real tokens.
-Responses are right-padded, so each row of a ``(B, T)`` mask is a contiguous
-prefix of Trues, possibly empty. Values at padded positions are never read,
+Mask convention: ``mask`` is a bool (or 0/1) tensor, True for the tokens a
+function counts. The trainer passes the ACTION mask: True on tokens the
+policy sampled and is trained on. Responses are right-padded, and a mask may
+have HOLES: False positions between Trues, e.g. ``[1 1 1 0 0 1 1 0 0]`` for a
+row of two turns with an environment message (tool result) between them and
+padding after. Values at False positions (holes or padding) are never read,
 so they may hold garbage (even ``inf``/``nan``) without leaking into results.
+What a hole means, function by function:
+
+* masked sums, means, moments, whitening, loss aggregation, the policy and
+  value losses and their statistics: a hole is not counted (as padding is);
+  whitened values, rewards, advantages and returns are 0 there.
+* :func:`penalized_rewards`: the score goes on the LAST action token of the
+  row (its last True); KL penalties and dense rewards count on action tokens
+  only.
+* :func:`gae`: the advantage chain runs over the action tokens in order; a
+  hole is skipped (no discount step, its reward and value ignored), not
+  treated as the end of the episode.
+
+On a mask without holes every function gives the same bits as before holes
+were supported.
 """
 
 from __future__ import annotations

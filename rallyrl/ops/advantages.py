@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .common import bool_mask, float_dtype, zero_outside
+from .common import bool_mask, float_dtype
 
 
 def penalized_rewards(
@@ -24,16 +24,23 @@ def penalized_rewards(
     KL is applied per token and the sequence-level score only on the final
     token, so GAE propagates it backwards through the response.
 
+    Holes: only action tokens (``mask`` True) get a reward. The score goes on
+    the LAST action token of the row, i.e. the last True, wherever it is (not
+    on position ``mask.sum() - 1``, which would be a hole or an earlier turn
+    when the row has holes). KL and dense rewards at holes are dropped.
+
     Args:
         kl: ``(B, T)`` per-token KL estimate (see :func:`kl_estimate`).
-        mask: ``(B, T)`` right-padded response mask.
+        mask: ``(B, T)`` action mask (True on tokens the policy sampled; may
+            have holes).
         kl_coef: beta.
-        scores: ``(B,)`` scalar reward per sequence, added on the LAST real
-            token of each row; rows without real tokens get nothing.
-        dense_scores: ``(B, T)`` per-token rewards, added on real tokens.
+        scores: ``(B,)`` scalar reward per sequence, added on the last action
+            token of each row; rows without action tokens get nothing.
+        dense_scores: ``(B, T)`` per-token rewards by position, added on
+            action tokens only.
 
     Returns:
-        ``(B, T)`` rewards, zeros on padding, dtype of ``kl``.
+        ``(B, T)`` rewards, zeros at padding and holes, dtype of ``kl``.
     """
     m = bool_mask(mask, kl)
     dtype = float_dtype(kl)
@@ -42,14 +49,28 @@ def penalized_rewards(
     if scores is not None:
         T = kl.shape[-1]
         pos = torch.arange(T, device=kl.device)  # (T,)
-        # index of the last True per row (also right for non-prefix masks);
-        # -1 for empty rows, which matches no position.
+        # index of the last True per row (a max over positions, not the count
+        # of Trues, so holes do not move it); -1 for rows with no action token,
+        # which matches no position.
         last = torch.where(m, pos, torch.full_like(pos, -1)).amax(dim=-1)  # (B,)
         is_last = pos == last.unsqueeze(-1)  # (B, T)
         rewards = rewards + torch.where(is_last, scores.to(dtype).unsqueeze(-1), zero)
     if dense_scores is not None:
         rewards = rewards + torch.where(m, dense_scores.to(dtype), zero)
     return rewards
+
+
+def _compacted_positions(m: Tensor) -> Tensor:
+    """Where each token of a row goes when the action tokens move left, in order.
+
+    ``(B, T)`` bool -> ``(B, T)`` int64, a permutation of ``0..T-1`` per row:
+    the k-th action token goes to ``k``, the other tokens (holes, padding)
+    follow in their order. On a right-padded mask it is ``arange(T)`` on every
+    row, so compacting and restoring with it copies values unchanged (the
+    results on masks without holes are the same bits as before holes existed).
+    """
+    n_action = m.sum(dim=-1, keepdim=True)  # (B, 1)
+    return torch.where(m, m.cumsum(dim=-1) - 1, n_action + (~m).cumsum(dim=-1) - 1)  # (B, T)
 
 
 def gae(
@@ -64,20 +85,31 @@ def gae(
     ``delta_t = r_t + gamma * V_{t+1} - V_t``,
     ``A_t = delta_t + gamma * lam * A_{t+1}``.
 
-    Each response is one episode that terminates at its last real token, so
-    the bootstrap value after it is 0 (no value is read from padding). This
-    relies on right padding: zeroing values/advantages at padded positions is
-    what ends the recursion, with no per-row bookkeeping.
+    Each response is one episode that terminates at its last action token, so
+    the bootstrap value after it is 0 (no value is read from padding).
+
+    Holes (tokens in the context that the policy did not sample, e.g. a tool
+    result between two turns) are skipped, not treated as the end of the
+    episode: the chain runs over the ACTION tokens of the row in order. For an
+    action token ``k`` whose next action token in the row is ``k'``:
+    ``delta_k = r_k + gamma * V_{k'} - V_k`` and
+    ``A_k = delta_k + gamma * lam * A_{k'}``; the last action token of the row
+    bootstraps with 0. So an environment span costs no discount step, and a
+    reward or value placed at a hole is ignored (the rewards of an environment
+    span belong on an action token, e.g. the last one before it). Advantages
+    and returns at holes and padding are 0. Implementation: the action tokens
+    are moved left (stable order), the right-padded recursion runs, and the
+    results are moved back; on a mask without holes the move is the identity.
 
     Args:
         rewards: ``(B, T)`` per-token rewards (e.g. :func:`penalized_rewards`).
         values: ``(B, T)`` value estimates V(s_t).
-        mask: ``(B, T)`` right-padded response mask.
+        mask: ``(B, T)`` action mask (may have holes).
         gamma: discount.
         lam: GAE lambda.
 
     Returns:
-        ``(advantages, returns)``, both ``(B, T)``, zeros on padding;
+        ``(advantages, returns)``, both ``(B, T)``, zeros at holes and padding;
         ``returns = advantages + values`` (the lambda-return targets).
     """
     m = bool_mask(mask, values)
@@ -88,9 +120,26 @@ def gae(
     B, T = v.shape
     if T == 0:
         return v.clone(), v.clone()
+    dest = _compacted_positions(m)  # (B, T)
+    # compacted rows are right-padded: action tokens first, zeros after them
+    r_c = torch.empty_like(r).scatter_(1, dest, r)  # (B, T)
+    v_c = torch.empty_like(v).scatter_(1, dest, v)  # (B, T)
+    m_c = torch.arange(T, device=m.device) < m.sum(dim=-1, keepdim=True)  # (B, T)
+    advantages = _right_padded_gae(r_c, v_c, m_c, gamma, lam).gather(1, dest)  # (B, T)
+    returns = torch.where(m, advantages + v, zero)  # (B, T)
+    return advantages, returns
+
+
+def _right_padded_gae(r: Tensor, v: Tensor, m: Tensor, gamma: float, lam: float) -> Tensor:
+    """The GAE recursion on right-padded rows whose rewards/values are 0 at padding: ``(B, T)`` -> ``(B, T)``.
+
+    Zeroing values/advantages at padded positions is what ends the recursion,
+    with no per-row bookkeeping.
+    """
+    B, T = v.shape
     next_value = torch.cat([v[:, 1:], v.new_zeros(B, 1)], dim=1)  # (B, T), V_{t+1}; 0 past the end
     deltas = r + gamma * next_value - v  # (B, T)
-    mf = m.to(dtype)  # (B, T)
+    mf = m.to(v.dtype)  # (B, T)
     adv_t = v.new_zeros(B)  # (B,) A_{t+1}
     advs: list[Tensor] = [adv_t] * T
     for t in reversed(range(T)):
@@ -98,9 +147,7 @@ def gae(
         # from the end starts its recursion from A_{t+1} = 0
         adv_t = (deltas[:, t] + gamma * lam * adv_t) * mf[:, t]
         advs[t] = adv_t
-    advantages = torch.stack(advs, dim=1)  # (B, T)
-    returns = torch.where(m, advantages + v, zero)  # (B, T)
-    return advantages, returns
+    return torch.stack(advs, dim=1)  # (B, T)
 
 
 class _GroupStats(NamedTuple):

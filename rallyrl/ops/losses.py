@@ -13,8 +13,9 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 def loss_units(mask: Tensor, aggregation: str) -> Tensor:
     """What the normaliser of :func:`aggregate_loss` counts, on this batch:
-    real tokens (``token_mean``) or sequences with at least one real token
-    (``seq_mean_*``). Summed over every rank's part of a minibatch (one
+    action tokens (``token_mean``) or sequences with at least one action token
+    (``seq_mean_*``); holes and padding count for nothing, and a row with no
+    action token is no sequence. Summed over every rank's part of a minibatch (one
     all-reduce per epoch, by the caller) it is the GLOBAL normaliser."""
     m = mask.bool()
     if aggregation == "token_mean":
@@ -36,7 +37,8 @@ def aggregate_loss(
     * ``token_mean``: ``sum_{i,t} l_it / N_tokens`` (DAPO, TRL ``bnpo``/``dapo``,
       veRL ``token-mean``).
     * ``seq_mean_token_mean``: ``sum_i (sum_t l_it / |o_i|) / N_seqs`` (the GRPO
-      paper, TRL ``grpo``, veRL ``seq-mean-token-mean``).
+      paper, TRL ``grpo``, veRL ``seq-mean-token-mean``); ``|o_i|`` is the
+      number of action tokens of row ``i``.
     * ``seq_mean_token_sum``: ``sum_{i,t} l_it / (max_len * N_seqs)`` (Dr. GRPO,
       TRL ``dr_grpo``, veRL ``seq-mean-token-sum-norm``).
 
@@ -44,7 +46,9 @@ def aggregate_loss(
     :func:`loss_units`), divided by the number of processes when their
     gradients are averaged: each process's part then sums to the loss of the
     whole minibatch, whatever the split over processes and micro-batches.
-    Padding is never read (masked sums).
+    ``mask`` is the action mask: holes and padding are never read (masked
+    sums) and never counted. ``max_len`` is whatever length budget the caller
+    normalises by (today ``generation.max_new_tokens``).
     """
     m = bool_mask(mask, per_token)
     if aggregation == "token_mean":
@@ -92,7 +96,7 @@ def policy_loss(
         logprobs: ``(B, T)`` current log-probs (requires grad).
         old_logprobs: ``(B, T)`` log-probs at rollout time.
         advantages: ``(B, T)``.
-        mask: ``(B, T)``.
+        mask: ``(B, T)`` action mask (may have holes: not counted, as padding).
         clip_range: epsilon (the lower side; the upper too unless
             ``clip_range_high``).
         num_tokens: normaliser (must be > 0); default ``mask.sum()``
@@ -104,7 +108,7 @@ def policy_loss(
 
     Returns:
         ``(loss, stats)``: 0-dim loss; detached local masked-mean stats
-        ``clipfrac`` (fraction of real tokens where the clipped branch is
+        ``clipfrac`` (fraction of action tokens where the clipped branch is
         strictly larger, i.e. has zero gradient), ``approx_kl``
         (``0.5 * (lp - old_lp)^2``, the k2 estimator) and ``ratio``.
     """
@@ -149,13 +153,13 @@ def value_loss(
         values: ``(B, T)`` current value predictions (requires grad).
         old_values: ``(B, T)`` values at rollout time.
         returns: ``(B, T)`` targets (from :func:`gae`).
-        mask: ``(B, T)``.
+        mask: ``(B, T)`` action mask (may have holes: not counted, as padding).
         clip_range_value: epsilon for values.
         num_tokens, aggregation, max_len: as in :func:`policy_loss`.
 
     Returns:
         ``(loss, stats)`` with detached local stats ``clipfrac`` and ``error``
-        (mean of unclipped ``(v - R)^2`` over real tokens).
+        (mean of unclipped ``(v - R)^2`` over action tokens).
     """
     m = bool_mask(mask, values)
     # zero padding before the math so garbage there cannot reach the gradient

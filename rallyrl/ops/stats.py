@@ -109,7 +109,7 @@ def masked_whiten(
 
     Args:
         x: ``(B, T)``.
-        mask: ``(B, T)``.
+        mask: ``(B, T)`` (the action mask; may have holes).
         shift_mean: if False, add the mean back after scaling, i.e. only the
             scale changes (trlx / TRL behaviour when whitening rewards, so
             their sign/offset carries information).
@@ -117,7 +117,8 @@ def masked_whiten(
         eps: added to the variance before the square root.
 
     Returns:
-        ``(B, T)`` in ``x.dtype``; zeros where ``mask`` is False.
+        ``(B, T)`` in ``x.dtype``; zeros where ``mask`` is False. Holes, like
+        padding, are left out of the mean and variance and come out as 0.
     """
     sums = _local_moment_sums(x, mask)  # (3,)
     if reduce is not None:
