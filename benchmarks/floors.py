@@ -8,7 +8,7 @@ torch thread, ``OMP_NUM_THREADS=1``) builds rallyrl's models, optimizer and trai
 ``rallyrl.train`` does (``trainer._build``), then times, per phase, the function the trainer calls
 against a floor written with bare torch / transformers calls on the SAME modules and the same inputs:
 
-- ``generate``: ``rollout.generate`` (pad, ``policy.generate``, cut at EOS, decode) per chunk round vs
+- ``generate``: ``rollout.run_episodes`` through the HF engine (pad, ``lm.generate``, cut at EOS, decode) per chunk round vs
   one bare ``lm.generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
   pad/eos ids)`` per round on the already padded prompts. Both sides start from the same torch seed;
   the floor's tokens, cut at EOS, must equal rallyrl's (checked every pair: the same work).
@@ -246,7 +246,8 @@ def worker(task: str, quick: bool, result: Path) -> dict[str, Any]:
         reward_step.open()
         # warm-up: one whole iteration through the trainer's stages, then each floor once
         shard = trainer._next_shard(inp.plan, state, inp.train_set)
-        ro, _, _ = trainer.collect_rollouts(models, reward_step, inp.train_set, shard, gen, gen.do_sample, device)
+        engine, spec = trainer._engine(cfg, models, state, device)
+        ro, _, _ = trainer.collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device)
         adv = trainer.compute_advantages(ro, state, cfg.ppo)
         trainer.ppo_update(learner, ro, adv, state, cfg.ppo, temp, gen.max_new_tokens, device)
 
@@ -265,8 +266,7 @@ def worker(task: str, quick: bool, result: Path) -> dict[str, Any]:
             for side in pair_order(p):
                 torch.manual_seed(seed)  # the same sampling stream on both sides: the same tokens
                 if side == "rallyrl":
-                    res[side], s = timed(lambda: [rollout.generate(models.policy, tok, x, gen, gen.do_sample, device)
-                                                  for x in ids])
+                    res[side], s = timed(lambda: [rollout.run_episodes(engine, tok, x, spec) for x in ids])
                 else:
                     res[side], s = timed(lambda: floors.generate(padded))
                 if p >= 0:

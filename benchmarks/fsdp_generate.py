@@ -4,7 +4,7 @@
                                                  [--repeats 3] [--out runs/bench/fsdp_generate.json]
 
 ``--nproc`` processes (gloo on CPU) each build the policy (``rallyrl.models.load_models``: LM + value
-head) from ``--model`` (default: a locally built 2-layer, 64-dim GPT-2), and time ``policy.generate``
+head) from ``--model`` (default: a locally built 2-layer, 64-dim GPT-2), and time the policy's generation (``policy.run`` of ``lm.generate``, as the HF engine decodes)
 on the same ``--batch`` prompts, ``--new-tokens`` tokens each (``min_new_tokens`` = max, so every rank
 decodes the same number of steps), three ways, in one run:
 
@@ -38,6 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _generate(policy, ids, mask, **kw):
+    """The response ids of ``policy.lm.generate`` (what the HF engine runs, through ``policy.run``)."""
+    return policy.lm.generate(input_ids=ids, attention_mask=mask, **kw)[:, ids.shape[1]:]
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.nproc),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.nproc))
@@ -54,7 +59,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     # transformer blocks: the classes the model lists in _no_split_modules, FSDP's units besides the root
     names = {n for m in models.policy.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
     L = sum(type(m).__name__ in names for m in models.policy.modules())
-    policy = dist.shard(models.policy, forward_methods=("generate",))
+    policy = dist.shard(models.policy, forward_methods=("run",))  # the engine decodes through run
     assert dist.is_sharded()
     tok = models.tokenizer
     texts = ["the cat sat", "a dog ran in", "good morning", "what a lovely"] * (args.batch // 4 + 1)
@@ -66,12 +71,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         if mode == "replica":
-            ids = replica.generate(enc.input_ids, enc.attention_mask, **kw)
+            ids = _generate(replica, enc.input_ids, enc.attention_mask, **kw)
         elif mode == "gathered":
             with dist.gathered(policy):
-                ids = policy.generate(enc.input_ids, enc.attention_mask, **kw)
+                ids = policy.run(_generate, enc.input_ids, enc.attention_mask, **kw)
         else:
-            ids = policy.generate(enc.input_ids, enc.attention_mask, **kw)
+            ids = policy.run(_generate, enc.input_ids, enc.attention_mask, **kw)
         return time.perf_counter() - t0, ids.tolist()
 
     modes = ("replica", "gathered", "per_step")

@@ -3,7 +3,7 @@
 repeated G = ``--group`` times (one chunk of prompts x G rows), sampled as in training (temperature 1,
 no top-k/top-p) for each of ``--new-tokens``.
 
-Both settings run in this one process through ``rallyrl.rollout.generate`` (the rollout step's own
+Both settings run in this one process through the HF engine (``rallyrl.rollout.HFEngine``, the rollout step's own
 generation call, stop handling and decoding included), alternating off / on ``--pairs`` times with the
 same seed in each pair, after one warm-up call of each. The ratio is the median of the per-pair ratios
 off / on (> 1: prefilling once is faster).
@@ -70,7 +70,7 @@ def main() -> None:
     from examples.sentiments.prepare import smollm2_dir
     from rallyrl.config import GenerationConfig, ModelConfig
     from rallyrl.models import load_models
-    from rallyrl.rollout import generate
+    from rallyrl.rollout import HFEngine, SamplingSpec, run_episodes
 
     torch.set_num_threads(args.threads)
     m = load_models(ModelConfig(path=str(smollm2_dir())), seed=0, reference=False)
@@ -86,7 +86,7 @@ def main() -> None:
         def run(on: bool, seed: int) -> tuple[float, int]:
             torch.manual_seed(seed)
             t0 = time.perf_counter()
-            g = generate(m.policy, tok, rows, gens[on], do_sample=True, device=cpu)
+            g = run_episodes(HFEngine(m.policy, tok, cpu, on), tok, rows, SamplingSpec.of(gens[on], True, tok))
             return time.perf_counter() - t0, sum(len(r) for r in g.response_lists)
 
         run(False, 0), run(True, 0)  # warm-up

@@ -1,7 +1,7 @@
 """``train.mixed_precision: bf16`` against float32 on SmolLM2-135M (examples/sentiments' model), 1 process.
 
 Each setting runs in its own fresh process, through rallyrl's own code (``dist.init_accelerator`` +
-``dist.shard``, which is where the compute dtype is applied; ``rollout.generate`` with the decoding's own
+``dist.shard``, which is where the compute dtype is applied; the HF engine with the decoding's own
 log-probs; ``rollout.score_tokens``):
 
 1. generation of ``--batch`` samples of up to ``--new`` tokens from the sentiments prompts (seeded), with
@@ -46,13 +46,13 @@ def child(args: argparse.Namespace) -> None:
     from rallyrl.config import GenerationConfig, ModelConfig
     from rallyrl.data import load_prompts
     from rallyrl.models import load_models
-    from rallyrl.rollout import Generated, generate, score_tokens
+    from rallyrl.rollout import Episodes, HFEngine, SamplingSpec, run_episodes, score_tokens
 
     torch.set_num_threads(args.threads)
     device = dist.init_accelerator(600, "ddp", args.precision)
     torch.manual_seed(0)
     m = load_models(ModelConfig(path=str(smollm2_dir())), seed=0)
-    policy = dist.shard(m.policy, forward_methods=("generate", "generate_scored"))
+    policy = dist.shard(m.policy, forward_methods=("run",))
     reference = dist.shard(m.reference, forward_methods=("logprobs",))
     loaded_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tok = m.tokenizer
@@ -60,7 +60,8 @@ def child(args: argparse.Namespace) -> None:
     gen_cfg = GenerationConfig(max_new_tokens=args.new, temperature=1.0)
     torch.manual_seed(1)
     out: dict = {"precision": args.precision, "loaded_kb": loaded_kb}
-    g = generate(policy, tok, [tok(p)["input_ids"] for p in prompts], gen_cfg, True, device, scored=True)
+    spec = SamplingSpec.of(gen_cfg, True, tok, logprobs=True)
+    g = run_episodes(HFEngine(policy, tok, device), tok, [tok(p)["input_ids"] for p in prompts], spec)
     fwd = score_tokens(policy, reference, g, 1.0, device, from_generation=False)
     rm = g.response_mask
     d_tok = (g.logprobs - fwd.logprobs).abs()[rm]
@@ -75,8 +76,8 @@ def child(args: argparse.Namespace) -> None:
     if args.samples_in:  # score another precision's samples with this one
         other = torch.load(args.samples_in)
         n = other["response_ids"].shape[0]
-        og = Generated(other["query_ids"], other["query_mask"], other["response_ids"], other["response_mask"],
-                       [[] for _ in range(n)], ["" for _ in range(n)])
+        og = Episodes(other["query_ids"], other["query_mask"], other["response_ids"], other["response_mask"],
+                      other["response_mask"], [[] for _ in range(n)], ["" for _ in range(n)])
         mine = score_tokens(policy, reference, og, 1.0, device)
         orm = other["response_mask"]
         diff = (mine.logprobs - other["logprobs"]).abs()[orm]

@@ -101,7 +101,7 @@ def child(kind: str, out: Path, iterations: int, extra: list[str], sharding: str
 
     import rallyrl
     from rallyrl import dist, trainer
-    from rallyrl.state import Learner
+    from rallyrl.learn.state import Learner
 
     held: dict[str, Any] = {}
     load_models, create = trainer.load_models, Learner.create

@@ -11,7 +11,7 @@ requests/s and samples/s are counted at the clients. Batching ON is the default 
 ratio on/off is the number to read.
 
 Part 2, overlap at the reward-step level. One process, 4 chunk rounds per iteration, each round a real
-sampled ``generate`` (rallyrl.rollout.generate) on a locally built 2-layer GPT-2 (8 prompts x 24 new
+sampled generation (the HF engine, rallyrl.rollout.HFEngine) on a locally built 2-layer GPT-2 (8 prompts x 24 new
 tokens), the reward a server calling ``sleepy_reward`` (0.3 s per call). Synchronous: ``submit`` of a
 ``RewardStep`` without overlap (the step itself) after each round. Overlap: ``submit`` of an
 ``overlap=True`` step after each round, ``collect`` after the last. This is the reward-step loop of
@@ -105,7 +105,7 @@ def overlap_bench(url: str, iterations: int) -> dict[str, list[float]]:
     from rallyrl.config import GenerationConfig, ModelConfig
     from rallyrl.models import load_models
     from rallyrl.reward import NamedRewardFn, RemoteReward, RewardStep, Samples
-    from rallyrl.rollout import generate
+    from rallyrl.rollout import HFEngine, SamplingSpec, run_episodes
     from rallyrl.testing import build_tiny_gpt2
 
     torch.set_num_threads(1)
@@ -121,7 +121,7 @@ def overlap_bench(url: str, iterations: int) -> dict[str, list[float]]:
 
     def one_round():
         t0 = time.perf_counter()
-        g = generate(lm, tok, queries, gen, True, torch.device("cpu"))
+        g = run_episodes(HFEngine(lm, tok, torch.device("cpu")), tok, queries, SamplingSpec.of(gen, True, tok))
         out["generate_s"].append(time.perf_counter() - t0)
         return Samples([tok.decode(q) for q in queries], g.outputs, g.response_lists, [{} for _ in queries])
 

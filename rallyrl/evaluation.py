@@ -13,15 +13,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from . import dist
-from .config import GenerationConfig
 from .errors import MetricError
 from .inputs import MetricFn, PromptSet
-from .models import LoadedModels
 from .reward.step import RewardStep, Samples, call_kwargs
-from .rollout import Shard, generate
+from .rollout import GenerationEngine, SamplingSpec, Shard, run_episodes
 from .seeding import isolated_rng
 
 
@@ -54,19 +50,19 @@ def at_k_metrics(name: str, values: Sequence[float], prompt_ids: Sequence[int], 
 
 
 @dist.stage("evaluation")
-def evaluate(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, metric_fn: MetricFn | None,
-             gen: GenerationConfig, do_sample: bool, chunk_size: int, device: torch.device,
+def evaluate(engine: GenerationEngine, tokenizer: Any, reward_step: RewardStep, prompts: PromptSet,
+             metric_fn: MetricFn | None, spec: SamplingSpec, chunk_size: int,
              samples_per_prompt: int = 1) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Every eval prompt ``samples_per_prompt`` times, split over the ranks; returns the ``eval/*``
-    metrics (on every rank) and the samples with their rewards and metric values (main rank; []
-    elsewhere)."""
+    """Every eval prompt ``samples_per_prompt`` times, split over the ranks, through the training
+    rollouts' engine; returns the ``eval/*`` metrics (on every rank) and the samples with their rewards
+    and metric values (main rank; [] elsewhere)."""
     k = samples_per_prompt
     shard = Shard.even(len(prompts) * k, dist.world_size(), dist.rank(), chunk_size)
     t0 = time.perf_counter()
     # Evaluation must not move the training sampling stream (same guarantee as the reward step). It
     # needs only samples and rewards: no policy/reference scoring pass.
     with isolated_rng():
-        samples = _eval_samples(models, reward_step, prompts, shard, gen, do_sample, device, k)
+        samples = _eval_samples(engine, tokenizer, reward_step, prompts, shard, spec, k)
 
     def score() -> dict[str, float]:
         metrics = {"eval/reward_mean": sum(s["reward"] for s in samples) / max(1, len(samples))}
@@ -76,7 +72,7 @@ def evaluate(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, 
                        [s["output_token_ids"] for s in samples], [s["metadata"] for s in samples])
         with isolated_rng():
             out = metric_fn([p + o for p, o in zip(part.prompts, part.outputs)], part.prompts,
-                            part.outputs, **call_kwargs(part, models.tokenizer))
+                            part.outputs, **call_kwargs(part, tokenizer))
         if not isinstance(out, dict):
             raise TypeError(f"metric_fn must return a dict of name -> per-sample values, got {type(out).__name__}")
         for name, vals in out.items():
@@ -96,15 +92,15 @@ def evaluate(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, 
     return metrics, samples
 
 
-def _eval_samples(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, shard: Shard,
-                  gen: GenerationConfig, do_sample: bool, device: torch.device, k: int = 1) -> list[dict[str, Any]]:
+def _eval_samples(engine: GenerationEngine, tokenizer: Any, reward_step: RewardStep, prompts: PromptSet,
+                  shard: Shard, spec: SamplingSpec, k: int = 1) -> list[dict[str, Any]]:
     """Every eval sample with its reward, gathered on the main rank ([] elsewhere). Eval sample ``j`` is
     sample ``j % k`` of prompt ``j // k``; with k > 1 its record carries ``sample`` (that member index)."""
     local: list[dict[str, Any]] = []
     for r in range(shard.rounds):
-        items = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]
+        items = shard.round(r)
         mine = [j // k for j in items]  # prompt indices (k = 1: the items themselves)
-        g = generate(models.policy, models.tokenizer, prompts.token_ids(mine), gen, do_sample, device)
+        g = run_episodes(engine, tokenizer, prompts.token_ids(mine), spec)
         texts, metadata = prompts.texts(mine), prompts.metadata(mine)
         rewards, _ = reward_step(Samples(texts, g.outputs, g.response_lists, metadata))
         local += [{"index": i, "prompt": p, "output": o, "reward": rw.total, "output_token_ids": t, "metadata": md}

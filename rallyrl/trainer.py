@@ -22,243 +22,29 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import checkpoint as ckpt
-from . import dist, ops
-from .config import BatchPlan, Config, GenerationConfig, PPOConfig, load_config
+from . import dist
+from .config import BatchPlan, Config, PPOConfig, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
 from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
-from .metrics import iteration_metrics
+from .learn.advantages import compute_advantages
+from .learn.metrics import iteration_metrics
+from .learn.state import Learner, TrainState
+from .learn.update import ppo_update
 from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
-from .reward.step import RewardStep, Samples, StepStats
-from .rollout import Advantages, Rollouts, Shard, generate, score_tokens
+from .reward.step import RewardStep, StepStats
+from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
 from .seeding import seed_everything, stream_seed
-from .state import Learner, TrainState
 from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
-
-
-# ------------------------------------------------------------------------------------------------
-# Stage 1+2: collect rollouts, with the central reward step once per chunk round
-
-
-@dist.stage("rollout stage (generation and the central reward step)")
-def collect_rollouts(models: LoadedModels, reward_step: RewardStep, prompts: PromptSet, shard: Shard,
-                     gen: GenerationConfig, do_sample: bool, device: torch.device, from_generation: bool = False
-                     ) -> tuple[Rollouts, StepStats, dict[str, float]]:
-    """Each chunk round: generate, submit the round to the central reward step, run the log-prob/value
-    passes. The rewards are collected once, after the last round (with ``reward.overlap`` the reward
-    host scores round r while every rank works on round r + 1; without it each round's step is
-    synchronous and ``collect`` only hands its results back). Nothing here draws random numbers but
-    ``generate``, so both ways give the same rollouts."""
-    handles, pending = [], []
-    t_start, t_gen, t_fwd = time.perf_counter(), 0.0, 0.0
-    for r in range(shard.rounds):
-        mine = shard.indices[r * shard.chunk_size : (r + 1) * shard.chunk_size]  # may be empty on some ranks
-        texts, metadata = prompts.texts(mine), prompts.metadata(mine)
-        t0 = time.perf_counter()
-        g = generate(models.policy, models.tokenizer, prompts.token_ids(mine), gen, do_sample, device,
-                     scored=from_generation)
-        t_gen += time.perf_counter() - t0
-        handles.append(reward_step.submit(Samples(texts, g.outputs, g.response_lists, metadata)))  # a collective
-        t0 = time.perf_counter()
-        # every rank calls it (under fsdp it gathers the weights: a collective); None for an empty chunk
-        scored = score_tokens(models.policy, models.reference, g, gen.temperature, device, from_generation)
-        t_fwd += time.perf_counter() - t0
-        if scored is not None:
-            first = shard.first_index + r * shard.chunk_size
-            pending.append((r, g, scored, texts, metadata, list(range(first, first + len(mine)))))
-    results = reward_step.collect(handles)  # a collective; a failure in any round raises here on every rank
-    total = StepStats()
-    for _, st in results:
-        total.add(st)
-    chunks = [Rollouts.from_chunk(g, scored, results[r][0], texts, metadata, index, shard.group_size)
-              for r, g, scored, texts, metadata, index in pending]
-    ro = Rollouts.concat(chunks, models.tokenizer.pad_token_id)
-    return ro, total, {"time/generate": t_gen, "time/forward": t_fwd, "time/rollout": time.perf_counter() - t_start}
-
-
-# ------------------------------------------------------------------------------------------------
-# Stage 3+4: reward shaping and advantages (the estimator is chosen here, not in train())
-
-
-@dist.stage("advantage estimation")
-def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advantages:
-    """``gae``: per-token KL-shaped rewards, GAE over the value head's values, optional global whitening.
-    ``grpo``/``rloo``: one outcome score per sequence (score + its dense rewards; minus beta * its KL with
-    ``kl_in: reward``), turned into advantages by ``ops.group_advantages`` over the GLOBAL batch, by
-    group id: every rank gathers every sample's (index, group, score), so the statistics are the same
-    whichever rank scored which sample and however groups straddle ranks (docs/algorithms.md)."""
-    scores, dense = _scaled_scores(ro, state, ppo)
-    m = ro.response_mask
-    kl_tok = seq_kl = None
-    if ro.ref_logprobs is not None:
-        kl_tok = ops.kl_estimate(ro.logprobs, ro.ref_logprobs, ppo.kl_estimator) * m  # (B, T)
-        seq_kl = (ro.logprobs - ro.ref_logprobs).mul(m).sum(1)  # (B,) k1 per sequence (the logged KL)
-    beta = state.kl_ctl.value if ppo.kl_in == "reward" else 0.0
-    if not ppo.critic_free:
-        kl = kl_tok if kl_tok is not None else torch.zeros_like(ro.logprobs)
-        rewards = ops.penalized_rewards(kl, m, beta, scores, dense)  # (B, T)
-        adv, returns = ops.gae(rewards, ro.values, m, ppo.gamma, ppo.lam)  # (B, T)
-        if ppo.whiten_advantages:
-            # Global statistics: whitening per rank would give each rank a different advantage scale.
-            adv = ops.masked_whiten(adv, m, reduce=dist.all_reduce_sum)
-        first = adv[:, 0].tolist() if adv.shape[1] else [0.0] * len(ro)
-        return Advantages(adv, returns, seq_kl, m, first)
-    seq_score = scores.double() + (dense.sum(1).double() if dense is not None else 0.0)  # (B,)
-    if kl_tok is not None and beta:
-        seq_score = seq_score - beta * kl_tok.sum(1).double()  # TRL RLOO / OpenRLHF: KL in the reward
-    parts = dist.all_gather_objects((ro.global_index, ro.group, seq_score.tolist()))  # every rank's samples
-    index = torch.tensor([i for p in parts for i in p[0]])  # (N,)
-    order = torch.argsort(index)  # global-index order: the same arrays on every rank, whatever the layout
-    groups = torch.tensor([g for p in parts for g in p[1]])[order]  # (N,)
-    all_scores = torch.tensor([x for p in parts for x in p[2]], dtype=torch.float64)[order]  # (N,)
-    adv_all, zero_all, group_std = ops.group_advantages(all_scores, groups, ppo.estimator, ppo.group_scale,
-                                                        ppo.group_std_floor)
-    pos = torch.searchsorted(index[order], torch.tensor(ro.global_index, dtype=index.dtype))  # (B,) mine
-    seq_adv, zero = adv_all[pos], zero_all[pos]  # (B,)
-    adv = seq_adv.to(ro.logprobs.dtype).unsqueeze(1) * m  # (B, T): the outcome's advantage on every token
-    loss_mask = m & ~zero.unsqueeze(1) if ppo.drop_zero_std_groups else m
-    present = torch.unique(groups)
-    n_zero = int(torch.unique(groups[zero_all]).numel())
-    stats = {"reward/group_std": float(group_std[present].mean()),
-             "reward/zero_std_groups": n_zero / max(1, int(present.numel())),
-             "policy/advantage_abs": float(adv_all.abs().mean())}
-    return Advantages(adv, None, seq_kl, loss_mask, seq_adv.tolist(), stats)
-
-
-def _scaled_scores(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scores (B,) and dense rewards (B, T) after ``ppo.reward_scaling`` and ``ppo.reward_clip``."""
-    scores, dense = ro.scores.clone(), ro.dense_scores
-    if ppo.reward_scaling == "running":
-        # Running std over all ranks (trlx "running" scaling): scale without shifting the mean.
-        state.reward_moments.update(ro.scores, reduce=dist.all_reduce_sum)
-        scores = scores / max(state.reward_moments.std, 1e-8)
-        dense = dense / max(state.reward_moments.std, 1e-8) if dense is not None else None
-    if ppo.reward_clip is not None:
-        scores = scores.clamp(-ppo.reward_clip, ppo.reward_clip)
-    return scores, dense
-
-
-# ------------------------------------------------------------------------------------------------
-# Stage 5: PPO epochs
-
-# Per-micro-batch statistics, summed in one device tensor (no host sync per micro-batch).
-UPDATE_STATS = ("pg_loss", "vf_loss", "kl_loss", "loss", "clipfrac_tok", "vf_clipfrac_tok", "approx_kl_tok",
-                "entropy_tok", "tokens")
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """The update's view of an iteration (CPU tensors; rows are this rank's samples)."""
-
-    ro: Rollouts
-    adv: Advantages
-    resp_len: list[int]  # per row, on the host: micro-batches trim all-padding columns with plain ints
-    query_len: list[int]
-    beta: float  # the KL coefficient in the loss (`ppo.kl_in: loss`), else 0
-    max_len: int  # generation.max_new_tokens (`seq_mean_token_sum`)
-
-
-@dist.stage("PPO update")
-def ppo_update(learner: Learner, ro: Rollouts, adv: Advantages, state: TrainState, ppo: PPOConfig,
-               temperature: float, max_new_tokens: int, device: torch.device) -> dict[str, float]:
-    """``ppo.epochs`` passes over the batch in ``ppo.num_minibatches`` optimizer steps. Returns the sums
-    of ``UPDATE_STATS`` plus ``grad_norm`` (summed over applied steps), ``steps``, ``skipped`` and
-    ``time`` (this rank's wall seconds; not reduced)."""
-    t_start, B, M, W = time.perf_counter(), len(ro), ppo.num_minibatches, dist.world_size()
-    beta = state.kl_ctl.value if ppo.kl_in == "loss" and ro.ref_logprobs is not None else 0.0
-    # Per row, on the host in one read: response and query lengths, and what the loss normaliser counts
-    # (tokens in the loss, or 1 per sequence still in it).
-    units = adv.loss_mask.sum(1) if ppo.loss_aggregation == "token_mean" else adv.loss_mask.any(1)
-    resp_len, query_len, row_units = torch.stack([ro.response_mask.sum(1), ro.query_mask.sum(1), units.long()]).tolist()
-    batch = _Batch(ro, adv, resp_len, query_len, beta, max_new_tokens)
-    sums = torch.zeros(len(UPDATE_STATS), dtype=torch.float64, device=device)
-    norm_sum, steps, skipped = 0.0, 0, 0
-    for _ in range(ppo.epochs):
-        perm = torch.randperm(B, generator=state.shuffle_gen)
-        minibatches = [mb.tolist() for mb in torch.tensor_split(perm, M)]
-        # The loss is aggregated over the GLOBAL minibatch: one all-reduce of all M normalisers (token or
-        # sequence counts) per epoch. DDP averages gradients over W ranks, so each rank divides by N/W.
-        local_counts = torch.tensor([float(sum(row_units[i] for i in mb)) for mb in minibatches], dtype=torch.float64)
-        global_counts = dist.all_reduce_sum(local_counts)
-        for j, mb in enumerate(minibatches):
-            learner.optimizer.zero_grad(set_to_none=True)
-            # Gradient accumulation over micro-batches: every piece is normalised by the same global
-            # count, so the summed gradient equals the whole minibatch's. Only the last backward
-            # synchronises (ranks may take different numbers of micro-batches).
-            micro = [mb[a : a + (ppo.micro_batch_size or len(mb))] for a in range(0, len(mb), ppo.micro_batch_size or len(mb))]
-            step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            for k, rows in enumerate(micro):
-                sync = contextlib.nullcontext() if k == len(micro) - 1 else dist.no_sync(learner.model)
-                with sync:
-                    part = _micro_step(learner.model, batch, rows, global_counts[j].clamp(min=1) / W, ppo,
-                                       temperature, device)
-                sums += part
-                step_loss += part[UPDATE_STATS.index("loss")]
-            norm = learner.step(step_loss)  # one reduction + one host sync; None if not applied
-            if norm is None:
-                skipped += 1
-                state.nonfinite_skips += 1
-            else:
-                norm_sum += norm
-                steps += 1
-                state.optimizer_steps += 1
-    out = dict(zip(UPDATE_STATS, sums.tolist()))
-    out.update(grad_norm=norm_sum, steps=float(steps), skipped=float(skipped), time=time.perf_counter() - t_start)
-    return out
-
-
-def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: torch.Tensor, ppo: PPOConfig,
-                temperature: float, device: torch.device) -> torch.Tensor:
-    """Forward + backward of the loss on ``rows``; returns its ``UPDATE_STATS`` as a device tensor."""
-    ro, adv = batch.ro, batch.adv
-    # Trim columns that are padding for every row of this micro-batch (pure speed; same math).
-    T, Q = max(batch.resp_len[i] for i in rows), ro.query_ids.shape[1]
-    q0 = Q - max(batch.query_len[i] for i in rows)
-    idx = torch.tensor(rows)
-
-    def take(x: torch.Tensor, cols: slice) -> torch.Tensor:
-        return x[idx, cols].to(device)
-
-    t = slice(0, T)
-    resp, m = take(ro.response_ids, t), take(ro.response_mask, t)  # (b, T)
-    lm = take(adv.loss_mask, t)  # (b, T) the tokens in the loss
-    agg = dict(aggregation=ppo.loss_aggregation, max_len=batch.max_len)
-    logits, values = model(take(ro.query_ids, slice(q0, Q)), take(ro.query_mask, slice(q0, Q)), resp, m)
-    logits = logits.float() / temperature  # (b, T, V)
-    lp = ops.logprobs_from_logits(logits, resp)  # (b, T)
-    pg, pg_stats = ops.policy_loss(lp, take(ro.logprobs, t), take(adv.advantages, t), lm, ppo.clip_range, n_norm,
-                                   clip_range_high=ppo.clip_range_high, **agg)
-    loss, zero = pg, torch.zeros((), device=device)
-    vf, vf_clip, kl_loss = zero, zero, zero
-    if values is not None:
-        vf, vf_stats = ops.value_loss(values.float(), take(ro.values, t), take(adv.returns, t), lm,
-                                      ppo.clip_range_value, n_norm, **agg)
-        loss, vf_clip = loss + ppo.vf_coef * vf, vf_stats["clipfrac"]
-    if batch.beta:
-        kl = ops.kl_estimate(lp, take(ro.ref_logprobs, t), ppo.kl_estimator)  # (b, T) gradient flows through lp
-        kl_loss = ops.aggregate_loss(torch.where(lm, kl, 0.0), lm, ppo.loss_aggregation, n_norm, batch.max_len)
-        loss = loss + batch.beta * kl_loss
-    if ppo.entropy_coef > 0:
-        ent = ops.entropy_from_logits(logits)
-        loss = loss - ppo.entropy_coef * ops.aggregate_loss(ent, lm, ppo.loss_aggregation, n_norm, batch.max_len)
-    else:
-        with torch.no_grad():
-            ent = ops.entropy_from_logits(logits)
-    dist.backward(loss)
-    n = lm.sum().double()
-    return torch.stack([pg.detach().double(), vf.detach().double(), kl_loss.detach().double(),
-                        loss.detach().double(), pg_stats["clipfrac"].double() * n, vf_clip.double() * n,
-                        pg_stats["approx_kl"].double() * n, ops.masked_sum(ent.detach(), lm).double(), n])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,11 +67,12 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     with _reward_host(cfg, inp) as reward_step:  # a `reward.server: local` starts now, stops however this ends
         models, learner, state = _build(cfg, inp, device)
         resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
+        engine, spec = _engine(cfg, models, state, device)  # generation: the policy's own weights (HF)
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                      TrainResult(run_dir.path), callbacks)
         log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
         reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
-        run_eval = functools.partial(_evaluate, models, reward_step, inp, cfg, device, log)
+        run_eval = functools.partial(_evaluate, models, engine, reward_step, inp, cfg, device, log)
         try:
             reward_step.open()  # `reward.server: local`: rank 0 waits for its server to answer (a collective)
             if resumed_from is None and 0 in evals:
@@ -295,14 +82,13 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
                 # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
                 shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
-                ro, rstats, times = collect_rollouts(models, reward_step, inp.train_set, shard, cfg.generation,
-                                                     cfg.generation.do_sample, device,
-                                                     cfg.rollout.logprobs_from == "generate")
+                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device)
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
                 # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
                 upd = ppo_update(learner, ro, adv, state, cfg.ppo, cfg.generation.temperature,
                                  cfg.generation.max_new_tokens, device)
+                engine.sync(models.policy)  # the next samples come from the updated weights
                 # 6. statistics (one all-reduce), KL controller, logs, eval
                 metrics = _statistics(ro, adv, rstats, upd, times, inp, state, learner, models, step, cfg, run_dir)
                 log.rollouts(ro, adv.seq_advantages, step, dist.rank())  # unless train.log_rollouts is off
@@ -391,10 +177,21 @@ def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard
     return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
 
 
-def _evaluate(models: LoadedModels, reward_step: RewardStep, inp: Inputs, cfg: Config, device: torch.device,
-              log: RunLog, step: int) -> dict[str, float]:
-    return log.eval(step, *evaluate(models, reward_step, inp.eval_set, inp.metric_fn, cfg.generation,
-                                    cfg.eval.do_sample, cfg.rollout.chunk_size, device, cfg.eval.samples_per_prompt))
+def _engine(cfg: Config, models: LoadedModels, state: TrainState,
+            device: torch.device) -> tuple[GenerationEngine, SamplingSpec]:
+    """The generation engine and the training rollouts' sampling spec. The engine's weight version is the
+    number of optimizer phases behind its weights (a resumed run continues the count)."""
+    engine = HFEngine(models.policy, models.tokenizer, device, cfg.generation.prefill_once, version=state.iteration)
+    spec = SamplingSpec.of(cfg.generation, cfg.generation.do_sample, models.tokenizer,
+                           logprobs=cfg.rollout.logprobs_from == "generate")
+    return engine, spec
+
+
+def _evaluate(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs, cfg: Config,
+              device: torch.device, log: RunLog, step: int) -> dict[str, float]:
+    spec = SamplingSpec.of(cfg.generation, cfg.eval.do_sample, models.tokenizer)
+    return log.eval(step, *evaluate(engine, models.tokenizer, reward_step, inp.eval_set, inp.metric_fn, spec,
+                                    cfg.rollout.chunk_size, cfg.eval.samples_per_prompt))
 
 
 def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str, float], times: dict[str, float],

@@ -6,18 +6,17 @@ Shapes: ``B`` batch, ``Q`` (left-padded) query length, ``T`` (right-padded) resp
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from .. import ops
 from ..seeding import stream_generator
+
+T = TypeVar("T")
 
 
 class Policy(Protocol):
@@ -26,6 +25,9 @@ class Policy(Protocol):
     Shapes: ``query`` (B, Q) left-padded, ``response`` (B, T) right-padded, masks True on real tokens.
     """
 
+    lm: nn.Module  # the transformers model: what a generation engine samples with (rollout/hf.py)
+    v_head: nn.Module | None  # the value head on the final hidden state; None without a critic
+
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, V) predicting each response token, and values (B, T): the value of the state in
@@ -33,20 +35,11 @@ class Policy(Protocol):
         estimators: no head module, parameters or optimizer state exist)."""
         ...
 
-    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, prompt_index: torch.Tensor | None = None,
-                 **sampling: Any) -> torch.Tensor:
-        """Sampled response token ids (B, T') for the queries (no query tokens; ends padded).
-        ``prompt_index`` (B,): for each row, the first row holding the same query (``generation.prefill_once``:
-        each distinct query is then prefilled once and its cache shared); None: every row on its own."""
-        ...
-
-    def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
-                        prompt_index: torch.Tensor | None = None,
-                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As ``generate``, plus what ``forward`` would give for those tokens, taken from the decoding
-        itself: log-probs (B, T') of the sampled tokens under the logits divided by ``score_temperature``
-        (the sampling temperature, also when decoding greedily, as ``score_tokens``), and
-        values (B, T'). Equal to ``forward``'s up to float rounding (KV-cached vs whole-sequence math)."""
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(self, *args, **kwargs)``, entered as a forward of this module: the generation engine
+        decodes through it, so what applies to ``forward`` applies to decoding too (FSDP's root hooks
+        when sharded, bf16 autocast under ``train.mixed_precision``: both are set up for ``forward``
+        and ``run`` by ``dist.shard``)."""
         ...
 
     def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -137,83 +130,12 @@ def lm_save_kwargs(state_dict: dict[str, torch.Tensor] | None) -> dict[str, Any]
     return {"state_dict": {k[len("lm."):]: v for k, v in state_dict.items() if k.startswith("lm.")}}
 
 
+def run_as_forward(self: nn.Module, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``Policy.run`` of every policy class: ``fn(self, ...)``. A method of its own (not a call of ``fn``
+    from outside) so that ``dist.shard`` can register it like ``forward`` (see ``Policy.run``)."""
+    return fn(self, *args, **kwargs)
+
+
 def value_head_or_none(hidden: int, kind: str | None, std: float, seed: int, dtype: torch.dtype) -> nn.Module | None:
     """``make_value_head``, or None when the estimator needs no critic (``kind`` None)."""
     return None if kind is None else make_value_head(hidden, kind, std, seed, dtype)
-
-
-@contextlib.contextmanager
-def last_position_states(module: nn.Module | None, of_input: bool) -> Iterator[list[torch.Tensor]]:
-    """Collect, for every forward call of ``module`` while open, the hidden state (B, H) at its last
-    sequence position: of its first input (``of_input``, e.g. the LM head, whose input is the final
-    hidden state) or of its output's ``last_hidden_state`` (e.g. a decoder stack). During generation
-    one call is one decoding step, so the list holds the state each sampled token was chosen in."""
-    states: list[torch.Tensor] = []
-    if module is None:  # nothing to collect (a policy without a value head)
-        yield states
-        return
-
-    def pre(_m: nn.Module, args: tuple) -> None:
-        states.append(args[0][:, -1].detach().clone())  # clone: a view would keep the whole prefill alive
-
-    def post(_m: nn.Module, _args: tuple, out: Any) -> None:
-        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        states.append(h[:, -1].detach().clone())
-
-    handle = module.register_forward_pre_hook(pre) if of_input else module.register_forward_hook(post)
-    try:
-        yield states
-    finally:
-        handle.remove()
-
-
-def scored_from_generation(ids: torch.Tensor, step_logits: tuple[torch.Tensor, ...], states: list[torch.Tensor],
-                           v_head: nn.Module | None, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, T') and values (B, T') of generated ``ids`` (B, T') from generate()'s raw per-step
-    logits (``output_logits``: T' tensors (B, V)) and the per-step hidden states of
-    ``last_position_states``. Step t's logits and state are those response token t was sampled from."""
-    T = ids.shape[1]
-    if len(step_logits) != T or (v_head is not None and len(states) != T):
-        raise RuntimeError(f"generate() ran {len(states)} forward steps and returned {len(step_logits)} logits "
-                           f"for {T} new tokens; rollout.logprobs_from=generate needs one of each per token")
-    # one step at a time: a (B, T', V) stack would double the logits' memory
-    logprobs = torch.stack([ops.logprobs_from_logits(lg.float() / temperature, ids[:, t])
-                            for t, lg in enumerate(step_logits)], 1)  # (B, T')
-    if v_head is None:
-        return logprobs, None
-    values = v_head(torch.stack(states, 1)).squeeze(-1).float()  # (B, T')
-    return logprobs, values
-
-
-def distinct_rows(prompt_index: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """From ``prompt_index`` (B,) (each row's first row with the same query): the distinct rows to
-    prefill (D,), ascending, and for each row its position among them (B,), to expand a (D, ...) result
-    to (B, ...) with one index; None when there is nothing to share (no index, or no row repeats)."""
-    if prompt_index is None:
-        return None
-    firsts, expand = torch.unique(prompt_index.to(device), return_inverse=True)
-    return (firsts, expand) if len(firsts) < len(prompt_index) else None
-
-
-def quiet_generate(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, **kwargs: Any) -> Any:
-    """``lm.generate`` with the KV cache and without lock-step decoding (the whole output: a causal LM
-    echoes the query first, a seq2seq LM starts with the decoder-start token)."""
-    # We always pass the attention mask, but generate() drops an all-ones one, after which the pads of
-    # finished rows make transformers warn about a missing mask; that warning does not apply.
-    # A filter, not setLevel: Logger.setLevel clears the level cache of every logger in the process
-    # (hundreds, with transformers loaded) on each call, milliseconds per generate() (benchmarks/README.md, floors).
-    hf_log = logging.getLogger("transformers.modeling_utils")
-    hf_log.addFilter(_errors_only)
-    try:
-        # synced_gpus=False: ranks never decode in lock-step. transformers turns synced_gpus on for a
-        # model with FSDP-sharded blocks (a per-step all-reduce of "done" flags), which would hang when
-        # ranks call generate() different numbers of times; rallyrl gathers the weights for the whole
-        # call instead (dist.gathered), so decoding needs no collective at all.
-        return lm.generate(input_ids=query, attention_mask=query_mask, use_cache=True, synced_gpus=False, **kwargs)
-    finally:
-        hf_log.removeFilter(_errors_only)
-
-
-def _errors_only(record: logging.LogRecord) -> bool:
-    """A logging filter that lets through errors and worse only (what ``setLevel(ERROR)`` would)."""
-    return record.levelno >= logging.ERROR

@@ -126,32 +126,12 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
     says where their values are, for ``dist.shard`` to read on rank 0 into the shards
     (models/weights.py). When the folder cannot be read that way, or with a ``shared`` / ``lora``
     reference, the weights are loaded as usual and ``LoadedModels.note`` says why."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
     # config.validate refuses this first; the check here covers a ModelConfig built in code, before any load
     if cfg.arch == "seq2seq" and cfg.reference != "copy":
         raise ConfigError(f"model.reference={cfg.reference!r} is implemented for model.arch=causal only; "
                           f"use model.reference=copy with model.arch=seq2seq")
     tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)  # the folder was checked with the inputs
-    auto, what = ((AutoModelForSeq2SeqLM, "seq2seq LM (model.arch: seq2seq)") if cfg.arch == "seq2seq"
-                  else (AutoModelForCausalLM, "causal LM (model.arch: causal)"))
-    lm, weights, note = None, None, ""
-    if empty and cfg.reference != "copy":
-        # shared: setup_shared unties a tied head by copying its (here empty) weight and freezes the trunk;
-        # lora: peft wraps the LM and renames its keys. Both would need their own mapping from the files'
-        # names to the changed tree; until then they load the usual way, then shard.
-        note = f"model.reference: {cfg.reference} loads the whole model on every rank, then shards it"
-    elif empty:
-        try:
-            lm, weights, why = empty_lm(auto, cfg.path, getattr(torch, cfg.dtype))
-        except Exception as e:
-            raise ModelLoadError(f"model.path: could not build a {what} from {cfg.path}/config.json: {e}") from None
-        note = f"every rank loads the whole model before sharding it: {why}" if lm is None else ""
-    if lm is None:
-        try:
-            lm = auto.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
-        except Exception as e:
-            raise ModelLoadError(f"model.path: could not load a {what} from {cfg.path}: {e}") from None
+    lm, weights, note = _load_lm(cfg, empty)
     # Dropout off, as in TRL/OpenRLHF PPO: the log-probs of the rollout pass and of the first PPO step
     # must agree (ratio 1), which dropout would break. Gradients still flow in eval mode.
     lm.eval()
@@ -176,6 +156,33 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
     _checkpointing(lm, cfg)  # after the references copied what they need
     policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save).eval()
     return _loaded(policy, ref, tok, weights, note)
+
+
+def _load_lm(cfg: ModelConfig, empty: bool) -> tuple[Any, InitialWeights | None, str]:
+    """The transformers model of ``model.arch`` (built empty when ``empty`` and the folder allows it, see
+    ``load_models``), where its weights are when built empty, and the note saying why it was not."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto, what = ((AutoModelForSeq2SeqLM, "seq2seq LM (model.arch: seq2seq)") if cfg.arch == "seq2seq"
+                  else (AutoModelForCausalLM, "causal LM (model.arch: causal)"))
+    lm, weights, note = None, None, ""
+    if empty and cfg.reference != "copy":
+        # shared: setup_shared unties a tied head by copying its (here empty) weight and freezes the trunk;
+        # lora: peft wraps the LM and renames its keys. Both would need their own mapping from the files'
+        # names to the changed tree; until then they load the usual way, then shard.
+        note = f"model.reference: {cfg.reference} loads the whole model on every rank, then shards it"
+    elif empty:
+        try:
+            lm, weights, why = empty_lm(auto, cfg.path, getattr(torch, cfg.dtype))
+        except Exception as e:
+            raise ModelLoadError(f"model.path: could not build a {what} from {cfg.path}/config.json: {e}") from None
+        note = f"every rank loads the whole model before sharding it: {why}" if lm is None else ""
+    if lm is None:
+        try:
+            lm = auto.from_pretrained(cfg.path, dtype=getattr(torch, cfg.dtype))
+        except Exception as e:
+            raise ModelLoadError(f"model.path: could not load a {what} from {cfg.path}: {e}") from None
+    return lm, weights, note
 
 
 def _loaded(policy: Any, ref: Reference | None, tok: Any, weights: InitialWeights | None, note: str) -> LoadedModels:

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .base import (distinct_rows, frozen_copy, last_position_states, lm_save_kwargs, quiet_generate,
-                   scored_from_generation, value_head_or_none)
+from .base import frozen_copy, lm_save_kwargs, run_as_forward, value_head_or_none
 
 
 class Seq2SeqPolicy(nn.Module):
@@ -30,6 +29,8 @@ class Seq2SeqPolicy(nn.Module):
         hidden = getattr(lm.config, "d_model", None) or lm.config.get_text_config().hidden_size
         self.v_head = value_head_or_none(hidden, head, value_head_std, seed, next(lm.parameters()).dtype)
 
+    run = run_as_forward  # the generation engine's entry (models/base.py)
+
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = _seq2seq_forward(self.lm, query, query_mask, response, response_mask,
@@ -38,27 +39,6 @@ class Seq2SeqPolicy(nn.Module):
             return out.logits, None
         hidden = out.decoder_hidden_states[-1]  # (B, T, H): the state in which response token t is chosen
         return out.logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
-
-    @torch.no_grad()
-    def generate(self, query: torch.Tensor, query_mask: torch.Tensor, prompt_index: torch.Tensor | None = None,
-                 **sampling: Any) -> torch.Tensor:
-        enc = shared_encoding(self.lm, query, query_mask, prompt_index)
-        # generate returns decoder ids, starting with the decoder-start token
-        return quiet_generate(self.lm, query, query_mask, **enc, **sampling)[:, 1:]  # (B, T')
-
-    @torch.no_grad()
-    def generate_scored(self, query: torch.Tensor, query_mask: torch.Tensor, score_temperature: float,
-                        prompt_index: torch.Tensor | None = None,
-                        **sampling: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        enc = shared_encoding(self.lm, query, query_mask, prompt_index)
-        # The decoder stack's output is forward()'s decoder_hidden_states[-1] (not the LM head's input:
-        # a tied T5 rescales it before the head).
-        decoder = self.lm.get_decoder() if self.v_head is not None else None
-        with last_position_states(decoder, of_input=False) as states:
-            out = quiet_generate(self.lm, query, query_mask, return_dict_in_generate=True, output_logits=True,
-                                 **enc, **sampling)
-        ids = out.sequences[:, 1:]  # (B, T')
-        return ids, *scored_from_generation(ids, out.logits, states, self.v_head, score_temperature)
 
     def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         self.lm.save_pretrained(out, safe_serialization=True, **lm_save_kwargs(state_dict))  # as CausalPolicy
@@ -78,22 +58,6 @@ class Seq2SeqCopyReference(nn.Module):
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
         logits = _seq2seq_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
         return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
-
-
-def shared_encoding(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
-                    prompt_index: torch.Tensor | None) -> dict[str, Any]:
-    """``generate`` kwargs that encode each distinct query once (``generation.prefill_once``): the
-    encoder's output on the D distinct rows, expanded to the B rows by index (generate() skips its own
-    encoder pass when given ``encoder_outputs``); {} for the ordinary path (no repeated query). A row's
-    encoding depends on that row alone, so every row gets what its own encoding would be (up to float
-    rounding of a smaller batch); the attention mask of all B rows still goes to generate()."""
-    rows = distinct_rows(prompt_index, query.device)
-    if rows is None:
-        return {}
-    firsts, expand = rows
-    enc = lm.get_encoder()(input_ids=query[firsts], attention_mask=query_mask[firsts], return_dict=True)
-    enc["last_hidden_state"] = enc.last_hidden_state[expand]  # (D, Q, H) -> (B, Q, H)
-    return {"encoder_outputs": enc}
 
 
 def decoder_start_id(lm: nn.Module) -> int:

@@ -60,8 +60,8 @@ def _worker(out: Path, model_path: str, micro: int) -> None:
     from rallyrl.data import PromptSampler
     from rallyrl.models import load_models
     from rallyrl.reward.step import Reward
-    from rallyrl.rollout import Advantages, Generated, Rollouts, pad, score_tokens
-    from rallyrl.state import Learner, TrainState
+    from rallyrl.rollout import Advantages, Episodes, Rollouts, pad, score_tokens
+    from rallyrl.learn.state import Learner, TrainState
     from rallyrl.trainer import ppo_update
 
     torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def _worker(out: Path, model_path: str, micro: int) -> None:
         learner = Learner.create(models.policy, ppo, total_steps=1)
         q, qm = pad([queries[i] for i in mine], 0, left=True)
         r, rm = pad([responses[i] for i in mine], 0, left=False)
-        gen = Generated(q, qm, r, rm, [responses[i] for i in mine], ["" for _ in mine])
+        gen = Episodes(q, qm, r, rm, rm, [responses[i] for i in mine], ["" for _ in mine])
         scored = score_tokens(models.policy, models.reference, gen, 1.0, device)
         # a reference that differs from the policy, so the KL term has a gradient of its own
         scored.ref_logprobs = (scored.ref_logprobs - 0.1 * torch.arange(r.shape[1])) * rm

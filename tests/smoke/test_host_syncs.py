@@ -14,8 +14,8 @@ from rallyrl.inputs import PromptSet
 from rallyrl.models import load_models
 from rallyrl.ops import FixedKLController, RunningMoments
 from rallyrl.reward.step import NamedRewardFn, RewardStep
-from rallyrl.rollout import Shard
-from rallyrl.state import Learner, TrainState
+from rallyrl.rollout import HFEngine, SamplingSpec, Shard
+from rallyrl.learn.state import Learner, TrainState
 from rallyrl.data import PromptSampler
 from rallyrl.trainer import collect_rollouts, compute_advantages, ppo_update
 
@@ -31,8 +31,9 @@ def test_reads_per_optimizer_step(tiny_model, monkeypatch):
     texts = ["the cat", "a dog", "good morning", "what a", "i like", "the sun"]
     prompts = PromptSet([{"prompt": t} for t in texts], [tok(t)["input_ids"] for t in texts])
     step = RewardStep([NamedRewardFn("len", lambda s, p, o, **k: [float(len(x)) for x in o])])
-    ro, _, _ = collect_rollouts(models, step, prompts, Shard(list(range(6)), 0, 2, 3),
-                                GenerationConfig(max_new_tokens=5), True, device)
+    engine = HFEngine(models.policy, tok, device)
+    spec = SamplingSpec.of(GenerationConfig(max_new_tokens=5), True, tok)
+    ro, _, _ = collect_rollouts(models, engine, step, prompts, Shard(list(range(6)), 0, 2, 3), spec, device)
     ppo = PPOConfig(epochs=2, num_minibatches=3, micro_batch_size=1)  # 2 micro-batches per step
     state = TrainState(0, FixedKLController(0.1), RunningMoments(), PromptSampler(6, 0),
                        torch.Generator().manual_seed(0))

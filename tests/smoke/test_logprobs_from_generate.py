@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 import rallyrl
 from rallyrl.config import GenerationConfig, ModelConfig, load_config
 from rallyrl.models import load_models
-from rallyrl.rollout import generate, score_tokens
+from rallyrl.rollout import score_tokens
 from rallyrl.tracking import read_jsonl
 from tests.helpers.runs import base_config, killed_run_copy
+from tests.helpers.sampling import generate
 
 pytestmark = pytest.mark.smoke
 
@@ -76,7 +77,7 @@ def test_an_empty_chunk_and_a_missing_record(tiny_model):
     g = generate(m.policy, m.tokenizer, [], GenerationConfig(), True, CPU, scored=True)
     assert len(g) == 0 and score_tokens(m.policy, m.reference, g, 1.0, CPU, from_generation=True) is None
     plain = generate(m.policy, m.tokenizer, [m.tokenizer("the")["input_ids"]], GenerationConfig(), True, CPU)
-    with pytest.raises(ValueError, match="needs generate"):
+    with pytest.raises(ValueError, match="needs episodes sampled with"):
         score_tokens(m.policy, m.reference, plain, 1.0, CPU, from_generation=True)
 
 

@@ -11,15 +11,15 @@ import torch
 
 from rallyrl.config import GenerationConfig, LoraConfig, ModelConfig
 from rallyrl.models import load_models
-from rallyrl.models.base import distinct_rows
-from rallyrl.rollout import generate, pad, prompt_index
+from rallyrl.rollout import pad, prompt_index
+from rallyrl.rollout.prefill import distinct_rows
 from rallyrl.testing import build_tiny_t5
+from tests.helpers.sampling import generate, sample
 
 pytestmark = pytest.mark.smoke
 
 PROMPTS = ["the cat sat on the mat", "good", "a dog ran in the park today"]
 ORDER = (0, 0, 0, 1, 1, 2, 0, 2)  # repeats, not contiguous, of different lengths (left padding)
-GREEDY = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +69,21 @@ def test_greedy_gives_the_same_tokens_log_probs_and_values(kind, tiny_model, tin
                    "t5": (tiny_t5, {"arch": "seq2seq"})}[kind]
     m = _models(path, **model)
     rows, q, qm = _batch(m.tokenizer)
-    idx = torch.tensor(prompt_index(rows))
-    kw = dict(max_new_tokens=12, pad_token_id=m.tokenizer.pad_token_id, eos_token_id=None, **GREEDY)
+    kw = dict(max_new_tokens=12, do_sample=False)  # greedy, no stop token: 12 tokens per row
     with _Calls(m.policy.lm) as plain_calls:
-        plain = m.policy.generate(q, qm, **kw)
+        plain = torch.tensor(sample(m.policy, m.tokenizer, rows, **kw).token_ids)
     with _Calls(m.policy.lm) as shared_calls:
-        shared = m.policy.generate(q, qm, prompt_index=idx, **kw)
+        shared = torch.tensor(sample(m.policy, m.tokenizer, rows, prefill_once=True, **kw).token_ids)
     assert torch.equal(plain, shared) and plain.shape == (8, 12)
     # the ordinary path starts with all 8 rows; the shared one with the 3 distinct queries (a causal LM
     # prefills Q - 1 tokens and decodes the last query token with the 8 rows; T5 encodes all Q)
     Q = q.shape[1]
     assert plain_calls[0] == (8, Q)
     assert shared_calls[0] == ((3, Q) if kind == "t5" else (3, Q - 1))
-    ids_a, lp_a, v_a = m.policy.generate_scored(q, qm, 1.0, **kw)
-    ids_b, lp_b, v_b = m.policy.generate_scored(q, qm, 1.0, prompt_index=idx, **kw)
+    a = sample(m.policy, m.tokenizer, rows, logprobs=True, **kw)
+    b = sample(m.policy, m.tokenizer, rows, prefill_once=True, logprobs=True, **kw)
+    ids_a, lp_a, v_a = torch.tensor(a.token_ids), a.logprobs, a.values
+    ids_b, lp_b, v_b = torch.tensor(b.token_ids), b.logprobs, b.values
     assert torch.equal(ids_a, ids_b) and torch.equal(ids_a, plain)
     assert torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(v_a, v_b, atol=1e-5)
     # and both agree with the scoring forward over the sampled tokens (the values are the ones the
@@ -104,16 +105,15 @@ def test_sampling_keeps_the_distribution(tiny_model):
     m = _models(tiny_model)
     tok, N, K = m.tokenizer, 3000, 8
     rows, q, qm = _batch(tok, order=(0,) * N)
-    kw = dict(max_new_tokens=3, do_sample=True, temperature=1.0, top_k=K, top_p=1.0,
-              pad_token_id=tok.pad_token_id, eos_token_id=None)
+    kw = dict(max_new_tokens=3, do_sample=True, temperature=1.0, top_k=K, top_p=1.0)  # no stop token
     with torch.no_grad():
         first = m.policy.lm(input_ids=q[:1], attention_mask=qm[:1]).logits[0, -1]  # (V,)
     top = first.topk(K)
     p_exact = torch.softmax(top.values, -1)  # (K,) top-k sampling renormalises over the k best
     stats = {}
-    for name, idx in (("plain", None), ("shared", torch.tensor(prompt_index(rows)))):
+    for name, once in (("plain", False), ("shared", True)):
         torch.manual_seed(123)
-        ids = m.policy.generate(q, qm, prompt_index=idx, **kw)  # (N, 3)
+        ids = torch.tensor(sample(m.policy, tok, rows, prefill_once=once, **kw).token_ids)  # (N, 3)
         counts = torch.stack([(ids[:, 0] == t).sum() for t in top.indices]).double()
         assert counts.sum() == N  # every first token is one of the top 8
         chi2 = ((counts - N * p_exact.double()) ** 2 / (N * p_exact.double())).sum().item()

@@ -6,16 +6,17 @@ import torch
 from rallyrl import ops
 from rallyrl.config import GenerationConfig, ModelConfig
 from rallyrl.models import load_models
-from rallyrl.rollout import Generated, generate, pad, score_tokens, truncate_at_stop
+from rallyrl.rollout import Episodes, pad, score_tokens, truncate_at_stop
+from tests.helpers.sampling import generate
 
 pytestmark = pytest.mark.smoke
 
 
 def _gen(q, r, pad_id):
-    """A Generated for given query/response token lists (as generate() would pad them)."""
+    """Episodes for given query/response token lists (as generate() would pad them)."""
     qi, qm = pad(q, pad_id, left=True)
     ri, rm = pad(r, pad_id, left=False)
-    return Generated(qi, qm, ri, rm, r, ["" for _ in r])
+    return Episodes(qi, qm, ri, rm, rm, r, ["" for _ in r])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ import torch
 
 from rallyrl.config import GenerationConfig, ModelConfig
 from rallyrl.models import load_models
-from rallyrl.rollout import Generated, generate, pad, score_tokens
+from rallyrl.rollout import Episodes, pad, score_tokens
+from tests.helpers.sampling import generate
 
 pytestmark = pytest.mark.smoke
 
@@ -29,13 +30,13 @@ def test_seq2seq_logprobs_match_generate_scores_with_left_padding(t5):
     resp = out.sequences[:, 1:]  # (B, T): drop the decoder-start token
     gen_lp = torch.stack([torch.log_softmax(s, -1) for s in out.scores], 1).gather(-1, resp.unsqueeze(-1))[..., 0]
     ri, rm = pad([r.tolist() for r in resp], tok.pad_token_id, left=False)
-    g = Generated(ids, mask, ri, rm, [r.tolist() for r in resp], [""] * 3)
+    g = Episodes(ids, mask, ri, rm, rm, [r.tolist() for r in resp], [""] * 3)
     scored = score_tokens(t5.policy, t5.reference, g, 0.7, torch.device("cpu"))
     assert torch.allclose(scored.logprobs, gen_lp, atol=1e-4)
     assert torch.equal(scored.logprobs, scored.ref_logprobs)  # first-iteration KL exactly 0
     # left padding of the encoder is exact: a query alone gives the same log-probs as padded in a batch
-    alone = score_tokens(t5.policy, t5.reference, Generated(ids[1:2, -len(q[1]):], mask[1:2, -len(q[1]):],
-                         ri[1:2], rm[1:2], [], [""]), 0.7, torch.device("cpu"))
+    alone = score_tokens(t5.policy, t5.reference, Episodes(ids[1:2, -len(q[1]):], mask[1:2, -len(q[1]):],
+                         ri[1:2], rm[1:2], rm[1:2], [], [""]), 0.7, torch.device("cpu"))
     assert torch.allclose(alone.logprobs[0], scored.logprobs[1], atol=1e-5)
 
 

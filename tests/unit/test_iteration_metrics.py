@@ -2,19 +2,19 @@
 
 import torch
 
-from rallyrl import metrics
+from rallyrl.learn import metrics
 from rallyrl.config import BatchPlan, load_config
 from rallyrl.reward.step import Reward, StepStats
-from rallyrl.rollout import Advantages, Generated, Rollouts, Scored, pad
-from rallyrl.state import TrainState
-from rallyrl.trainer import UPDATE_STATS
+from rallyrl.rollout import Advantages, Episodes, Rollouts, Scored, pad
+from rallyrl.learn.state import TrainState
+from rallyrl.learn.update import UPDATE_STATS
 
 
 def _rollouts():
     q, qm = pad([[1, 2], [3]], 0, left=True)
     r, rm = pad([[5, 6, 7], [8]], 0, left=False)
     lp = torch.tensor([[-1.0, -2.0, -3.0], [-1.5, 0.0, 0.0]])
-    g = Generated(q, qm, r, rm, [[5, 6, 7], [8]], ["a", "b"])
+    g = Episodes(q, qm, r, rm, rm, [[5, 6, 7], [8]], ["a", "b"])
     s = Scored(logprobs=lp, ref_logprobs=lp * 0.5, values=torch.zeros(2, 3))
     return Rollouts.from_chunk(g, s, [Reward(1.0), Reward(3.0)], ["p", "q"], [{}, {}], [0, 1])
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rallyrl import dist
-from rallyrl.models.base import quiet_generate
+from rallyrl.rollout.hf import quiet_generate
 from rallyrl.models.causal import _takes_logits_to_keep
 from rallyrl.rollout import pad
 

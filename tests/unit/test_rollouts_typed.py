@@ -3,7 +3,7 @@
 import torch
 
 from rallyrl.reward.step import Reward
-from rallyrl.rollout import Generated, Rollouts, Scored, pad
+from rallyrl.rollout import Episodes, Rollouts, Scored, pad
 
 PAD = 9
 
@@ -12,7 +12,7 @@ def _chunk(queries, responses, scores, dense=None, first=0):
     q, qm = pad(queries, PAD, left=True)
     r, rm = pad(responses, PAD, left=False)
     T = r.shape[1]
-    g = Generated(q, qm, r, rm, responses, [f"o{i}" for i in range(len(responses))])
+    g = Episodes(q, qm, r, rm, rm, responses, [f"o{i}" for i in range(len(responses))])
     lp = torch.arange(len(responses) * T, dtype=torch.float32).view(len(responses), T) * rm
     s = Scored(logprobs=lp, ref_logprobs=-lp, values=lp / 10)
     rewards = [Reward(sc, dense[i] if dense else None) for i, sc in enumerate(scores)]

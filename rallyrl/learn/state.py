@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from . import dist, ops
-from .config import Config, PPOConfig
-from .data import PromptSampler
+from .. import dist, ops
+from ..config import Config, PPOConfig
+from ..data import PromptSampler
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Learner:
     def create(policy: torch.nn.Module, ppo: PPOConfig, total_steps: int, weights: Any = None) -> "Learner":
         # FSDP: shard first (and fill the shards of a policy built empty: ``weights``, see dist.shard), so
         # the optimizer is built over (and its state sharded like) the shards.
-        policy = dist.shard(policy, forward_methods=("generate", "generate_scored"), weights=weights)
+        policy = dist.shard(policy, forward_methods=("run",), weights=weights)  # run: the engine decodes through it
         params = [p for p in policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=ppo.lr, eps=ppo.adam_eps, weight_decay=ppo.weight_decay,
                                       fused=_fused_adamw_ok(params) or None)

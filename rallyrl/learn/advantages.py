@@ -1,0 +1,74 @@
+"""Stages 3+4 of the loop: reward shaping and advantages, for the estimator ``ppo.estimator`` names.
+
+``gae``: per-token KL-shaped rewards and GAE over the value head's values; ``grpo``/``rloo``: group
+statistics of one outcome score per sequence, computed over the GLOBAL batch by group id. Every per-token
+quantity here is over the ``action_mask`` (the sampled tokens): environment tokens of a multi-turn
+episode get no reward, no KL and no advantage (docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dist, ops
+from ..config import PPOConfig
+from ..rollout import Advantages, Rollouts
+from .state import TrainState
+
+
+@dist.stage("advantage estimation")
+def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advantages:
+    """``gae``: per-token KL-shaped rewards, GAE over the value head's values, optional global whitening.
+    ``grpo``/``rloo``: one outcome score per sequence (score + its dense rewards; minus beta * its KL with
+    ``kl_in: reward``), turned into advantages by ``ops.group_advantages`` over the GLOBAL batch, by
+    group id: every rank gathers every sample's (index, group, score), so the statistics are the same
+    whichever rank scored which sample and however groups straddle ranks (docs/algorithms.md)."""
+    scores, dense = _scaled_scores(ro, state, ppo)
+    m = ro.action_mask  # the loss, KL, value targets and whitening: sampled tokens only
+    kl_tok = seq_kl = None
+    if ro.ref_logprobs is not None:
+        kl_tok = ops.kl_estimate(ro.logprobs, ro.ref_logprobs, ppo.kl_estimator) * m  # (B, T)
+        seq_kl = (ro.logprobs - ro.ref_logprobs).mul(m).sum(1)  # (B,) k1 per sequence (the logged KL)
+    beta = state.kl_ctl.value if ppo.kl_in == "reward" else 0.0
+    if not ppo.critic_free:
+        kl = kl_tok if kl_tok is not None else torch.zeros_like(ro.logprobs)
+        rewards = ops.penalized_rewards(kl, m, beta, scores, dense)  # (B, T)
+        adv, returns = ops.gae(rewards, ro.values, m, ppo.gamma, ppo.lam)  # (B, T)
+        if ppo.whiten_advantages:
+            # Global statistics: whitening per rank would give each rank a different advantage scale.
+            adv = ops.masked_whiten(adv, m, reduce=dist.all_reduce_sum)
+        first = adv[:, 0].tolist() if adv.shape[1] else [0.0] * len(ro)
+        return Advantages(adv, returns, seq_kl, m, first)
+    seq_score = scores.double() + (dense.sum(1).double() if dense is not None else 0.0)  # (B,)
+    if kl_tok is not None and beta:
+        seq_score = seq_score - beta * kl_tok.sum(1).double()  # TRL RLOO / OpenRLHF: KL in the reward
+    parts = dist.all_gather_objects((ro.global_index, ro.group, seq_score.tolist()))  # every rank's samples
+    index = torch.tensor([i for p in parts for i in p[0]])  # (N,)
+    order = torch.argsort(index)  # global-index order: the same arrays on every rank, whatever the layout
+    groups = torch.tensor([g for p in parts for g in p[1]])[order]  # (N,)
+    all_scores = torch.tensor([x for p in parts for x in p[2]], dtype=torch.float64)[order]  # (N,)
+    adv_all, zero_all, group_std = ops.group_advantages(all_scores, groups, ppo.estimator, ppo.group_scale,
+                                                        ppo.group_std_floor)
+    pos = torch.searchsorted(index[order], torch.tensor(ro.global_index, dtype=index.dtype))  # (B,) mine
+    seq_adv, zero = adv_all[pos], zero_all[pos]  # (B,)
+    adv = seq_adv.to(ro.logprobs.dtype).unsqueeze(1) * m  # (B, T): the outcome's advantage on every token
+    loss_mask = m & ~zero.unsqueeze(1) if ppo.drop_zero_std_groups else m
+    present = torch.unique(groups)
+    n_zero = int(torch.unique(groups[zero_all]).numel())
+    stats = {"reward/group_std": float(group_std[present].mean()),
+             "reward/zero_std_groups": n_zero / max(1, int(present.numel())),
+             "policy/advantage_abs": float(adv_all.abs().mean())}
+    return Advantages(adv, None, seq_kl, loss_mask, seq_adv.tolist(), stats)
+
+
+def _scaled_scores(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores (B,) and dense rewards (B, T) after ``ppo.reward_scaling`` and ``ppo.reward_clip``."""
+    scores, dense = ro.scores.clone(), ro.dense_scores
+    if ppo.reward_scaling == "running":
+        # Running std over all ranks (trlx "running" scaling): scale without shifting the mean.
+        state.reward_moments.update(ro.scores, reduce=dist.all_reduce_sum)
+        scores = scores / max(state.reward_moments.std, 1e-8)
+        dense = dense / max(state.reward_moments.std, 1e-8) if dense is not None else None
+    if ppo.reward_clip is not None:
+        scores = scores.clamp(-ppo.reward_clip, ppo.reward_clip)
+    return scores, dense

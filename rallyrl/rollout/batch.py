@@ -1,0 +1,176 @@
+"""The training batch: ``Rollouts`` (one rank's samples of an iteration), ``Advantages`` and ``Shard``.
+
+Shapes: ``B`` samples on this rank, ``Q`` query length (left-padded), ``T`` response length
+(right-padded), ``V`` vocab.
+
+Two masks, never one:
+
+- ``response_mask`` (with ``query_mask``) is the attention / padding mask: what the model SEES. True on
+  every real response token; False only on the right padding. The forward passes and the column trim
+  of the update use it.
+- ``action_mask`` says what the policy SAMPLED and is trained on: the loss, the KL, value targets,
+  whitening and every per-token statistic use it. A multi-turn episode's environment tokens (tool
+  results, the environment's replies) are in the context but not actions: False there, so the mask can
+  have holes. In a single-turn episode the two are equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import BatchPlan, split_evenly
+
+if TYPE_CHECKING:
+    from ..reward.step import Reward
+    from .episode import Episodes
+    from .scoring import Scored
+
+
+@dataclass
+class Rollouts:
+    """One rank's training batch for an iteration (tensors on CPU)."""
+
+    query_ids: torch.Tensor  # (B, Q) left-padded with pad_id
+    query_mask: torch.Tensor  # (B, Q) bool
+    response_ids: torch.Tensor  # (B, T) right-padded with pad_id
+    response_mask: torch.Tensor  # (B, T) bool: attention (real tokens)
+    action_mask: torch.Tensor  # (B, T) bool: sampled by the policy, trained on (see the module docstring)
+    logprobs: torch.Tensor  # (B, T) of the sampling policy (temperature applied); 0 off the action mask
+    ref_logprobs: torch.Tensor | None  # (B, T) of the frozen reference; None without a reference
+    values: torch.Tensor | None  # (B, T); None without a value head
+    scores: torch.Tensor  # (B,) scalar reward, placed on the last action token
+    dense_scores: torch.Tensor | None  # (B, T) per-token reward, or None when no sample has one
+    prompts: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    global_index: list[int] = field(default_factory=list)  # the sample's index in the iteration's global batch
+    group: list[int] = field(default_factory=list)  # group id (= global_index // samples_per_prompt)
+    reward_components: list[dict[str, float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def total_rewards(self) -> torch.Tensor:
+        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards."""
+        dense = self.dense_scores.sum(1).double() if self.dense_scores is not None else 0.0
+        return self.scores.double() + dense  # float64: the logged value is the exact sum of the two parts
+
+    @staticmethod
+    def from_chunk(ep: "Episodes", scored: "Scored", rewards: Sequence["Reward"], prompts: list[str],
+                   metadata: list[dict[str, Any]], global_index: list[int], group_size: int = 1) -> "Rollouts":
+        T = ep.response_ids.shape[1]
+        dense = None
+        if any(rw.dense is not None for rw in rewards):
+            dense = torch.zeros(len(rewards), T)  # (B, T)
+            for i, rw in enumerate(rewards):
+                if rw.dense is not None:
+                    dense[i, : len(rw.dense)] = torch.tensor(rw.dense)
+        return Rollouts(
+            query_ids=ep.query_ids, query_mask=ep.query_mask, response_ids=ep.response_ids,
+            response_mask=ep.response_mask, action_mask=ep.action_mask, logprobs=scored.logprobs,
+            ref_logprobs=scored.ref_logprobs, values=scored.values,
+            scores=torch.tensor([rw.score for rw in rewards], dtype=torch.float32),
+            dense_scores=dense, prompts=list(prompts), outputs=list(ep.outputs), metadata=list(metadata),
+            global_index=list(global_index), group=[i // group_size for i in global_index],
+            reward_components=[rw.components for rw in rewards],
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["Rollouts"], pad_id: int) -> "Rollouts":
+        """Merge chunks: queries re-aligned on the left, per-token tensors widened on the right."""
+        if not parts:
+            raise ValueError("Rollouts.concat needs at least one part")
+        Q = max(p.query_ids.shape[1] for p in parts)
+        T = max(p.response_ids.shape[1] for p in parts)
+
+        def left(x: torch.Tensor, value: Any) -> torch.Tensor:
+            return F.pad(x, (Q - x.shape[1], 0), value=value)
+
+        def right(x: torch.Tensor, value: Any = 0) -> torch.Tensor:
+            return F.pad(x, (0, T - x.shape[1]), value=value)
+
+        dense = None
+        if any(p.dense_scores is not None for p in parts):
+            dense = torch.cat([right(p.dense_scores) if p.dense_scores is not None else torch.zeros(len(p), T)
+                               for p in parts])
+
+        def optional(get: Any) -> torch.Tensor | None:  # absent in every part (same models) or in none
+            return None if get(parts[0]) is None else torch.cat([right(get(p)) for p in parts])
+
+        def joined(get: Any) -> list[Any]:
+            return [x for p in parts for x in get(p)]
+
+        return Rollouts(
+            query_ids=torch.cat([left(p.query_ids, pad_id) for p in parts]),
+            query_mask=torch.cat([left(p.query_mask, False) for p in parts]),
+            response_ids=torch.cat([right(p.response_ids, pad_id) for p in parts]),
+            response_mask=torch.cat([right(p.response_mask, False) for p in parts]),
+            action_mask=torch.cat([right(p.action_mask, False) for p in parts]),
+            logprobs=torch.cat([right(p.logprobs) for p in parts]),
+            ref_logprobs=optional(lambda p: p.ref_logprobs), values=optional(lambda p: p.values),
+            scores=torch.cat([p.scores for p in parts]), dense_scores=dense,
+            prompts=joined(lambda p: p.prompts), outputs=joined(lambda p: p.outputs),
+            metadata=joined(lambda p: p.metadata), global_index=joined(lambda p: p.global_index),
+            group=joined(lambda p: p.group), reward_components=joined(lambda p: p.reward_components),
+        )
+
+
+@dataclass
+class Advantages:
+    """What the update needs besides the rollouts, from one estimator (``ppo.estimator``)."""
+
+    advantages: torch.Tensor  # (B, T) per token; critic-free: the sequence's advantage on each action token
+    returns: torch.Tensor | None  # (B, T) value targets (`gae`); None without a value head
+    seq_kl: torch.Tensor | None  # (B,) k1 KL to the reference per sequence; None without a reference
+    loss_mask: torch.Tensor  # (B, T) bool: the tokens in the loss and its normaliser (the action mask minus
+    #                          the groups `ppo.drop_zero_std_groups` leaves out)
+    seq_advantages: list[float] = field(default_factory=list)  # (B,) per sequence, for rollouts.jsonl
+    stats: dict[str, float] = field(default_factory=dict)  # estimator metrics, the same on every rank
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of a batch: its global sample indices (rank-major order), the global index of
+    its first sample, and the chunk rounds EVERY rank runs (so each enters the reward step as often)."""
+
+    indices: list[int]
+    first_index: int
+    rounds: int
+    chunk_size: int
+    group_size: int = 1  # rollout.samples_per_prompt: global sample i is a member of group i // group_size
+
+    @staticmethod
+    def of_plan(plan: BatchPlan, rank: int, global_indices: list[int]) -> "Shard":
+        off = plan.offset(rank)
+        return Shard(global_indices[off : off + plan.local_count(rank)], off, plan.rounds, plan.chunk_size,
+                     plan.samples_per_prompt)
+
+    @staticmethod
+    def even(n: int, world_size: int, rank: int, chunk_size: int) -> "Shard":
+        """``n`` samples (e.g. the eval set) split as evenly as possible."""
+        counts = split_evenly(n, world_size)
+        off = sum(counts[:rank])
+        return Shard(list(range(off, off + counts[rank])), off, -(-max(counts) // chunk_size), chunk_size)
+
+    def round(self, r: int) -> list[int]:
+        """The global indices of chunk round ``r`` on this rank (may be empty on some ranks)."""
+        return self.indices[r * self.chunk_size : (r + 1) * self.chunk_size]
+
+
+def pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) ids and mask; ``left`` for prompts (every response then starts at the same column),
+    right for responses."""
+    lens = [len(x) for x in seqs]
+    width = max(lens, default=0)
+    # One tensor from padded Python lists and a mask from the lengths: one torch call per batch, not two
+    # per row (milliseconds per generation chunk; benchmarks/README.md, floors).
+    rows = [[pad_id] * (width - n) + list(x) if left else list(x) + [pad_id] * (width - n) for x, n in zip(seqs, lens)]
+    ids = torch.tensor(rows, dtype=torch.long).reshape(len(seqs), width)
+    cols, n = torch.arange(width), torch.tensor(lens, dtype=torch.long).reshape(-1, 1)
+    mask = cols >= width - n if left else cols < n  # (B, L)
+    return ids, mask
