@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import ops
 from .base import frozen_copy, lm_save_kwargs, run_as_forward, value_head_or_none
+from .prefix import Rows, cache_kwarg, causal_prefix_supported, distinct_queries, expanded_cache, recording_cache
 
 
 class CausalPolicy(nn.Module):
@@ -24,9 +25,11 @@ class CausalPolicy(nn.Module):
     None: no value head at all (critic-free estimators), ``forward`` gives values None."""
 
     def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str | None = "linear",
-                 save: Callable[..., None] | None = None) -> None:
+                 save: Callable[..., None] | None = None, prefill_once: bool = True) -> None:
         super().__init__()
         self.lm = lm
+        # model.prefill_once: a query repeated in a batch runs once (models/prefix.py), where the model allows
+        self.prefill_once = prefill_once and causal_prefix_supported(lm)
         # how final/ is written when the LM is not a plain transformers model (LoRA):
         # save(lm, out, state_dict=None | the whole policy state dict when the parameters are shards)
         self._save = save
@@ -37,13 +40,10 @@ class CausalPolicy(nn.Module):
 
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T = response.shape[1]
-        out = causal_forward(self.lm, query, query_mask, response, response_mask,
-                             hidden_states=self.v_head is not None)
-        logits = out.logits[:, -(T + 1) : -1]  # (B, T, V): position t-1 predicts response token t
+        logits, hidden = response_outputs(self.lm, query, query_mask, response, response_mask,
+                                          self.v_head is not None, self.prefill_once)  # (B, T, V), (B, T, H)
         if self.v_head is None:
             return logits, None
-        hidden = out.hidden_states[-1][:, -(T + 1) : -1]  # (B, T, H)
         return logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
 
     def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -60,16 +60,32 @@ class CopyReference(nn.Module):
 
     reads_policy = False  # its own weights only: under fsdp it is gathered alone
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, prefill_once: bool = True) -> None:
         super().__init__()
         self.lm = frozen_copy(lm)
+        self.prefill_once = prefill_once and causal_prefix_supported(lm)  # as CausalPolicy
 
     @torch.no_grad()
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-        T = response.shape[1]
-        logits = causal_forward(self.lm, query, query_mask, response, response_mask, hidden_states=False).logits
-        return ops.logprobs_from_logits(logits[:, -(T + 1) : -1].float() / temperature, response)  # (B, T)
+        logits, _ = response_outputs(self.lm, query, query_mask, response, response_mask, False, self.prefill_once)
+        return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
+
+
+def response_outputs(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                     response_mask: torch.Tensor, hidden_states: bool,
+                     prefill_once: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits predicting each response token (B, T, V) and, with ``hidden_states``, the last hidden
+    state they come from (B, T, H; else None): position t-1 of ``[query | response]`` predicts response
+    token t. With ``prefill_once`` and a query that repeats in the batch, each distinct query's prefix
+    runs once (``shared_causal_forward``); otherwise (and for one-token queries) the full forward."""
+    T = response.shape[1]
+    rows = distinct_queries(query, query_mask) if prefill_once and query.shape[1] > 1 else None
+    if rows is not None:
+        out = shared_causal_forward(lm, query, query_mask, response, response_mask, hidden_states, rows)
+        return out.logits, out.hidden_states[-1] if hidden_states else None  # its T positions are the ones kept
+    out = causal_forward(lm, query, query_mask, response, response_mask, hidden_states)
+    return out.logits[:, -(T + 1) : -1], out.hidden_states[-1][:, -(T + 1) : -1] if hidden_states else None
 
 
 def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
@@ -82,6 +98,31 @@ def causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor,
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T)
     return lm(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=hidden_states,
               use_cache=False, **logits_to_keep(lm, response.shape[1] + 1))
+
+
+def shared_causal_forward(lm: nn.Module, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
+                          response_mask: torch.Tensor, hidden_states: bool, rows: Rows) -> Any:
+    """``causal_forward`` with each distinct query's first Q - 1 tokens run once (``rows``: from
+    ``prefix.distinct_queries``). Returns the transformers output of the response pass, whose T positions
+    are ``[last query token | response[:-1]]``: position t predicts response token t, exactly the T columns
+    the full forward's callers keep, so its logits and hidden states need no slicing.
+
+    The positions are the full forward's (counted over the real tokens of ``[query | response]``), the
+    cached keys and values are the full forward's for the same tokens (computed on D rows instead of B),
+    and the response pass attends to them through the same padding mask: the same numbers up to float
+    rounding. The last query token runs with the responses because its logits predict the first
+    response token (the prefix pass computes one column of logits, unused)."""
+    firsts, expand = rows  # (D,), (B,)
+    Q, T = query.shape[1], response.shape[1]
+    mask = torch.cat([query_mask, response_mask], 1)  # (B, Q+T)
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, Q+T), as causal_forward
+    name = cache_kwarg(lm)
+    cache = recording_cache()
+    lm(input_ids=query[firsts, :-1], attention_mask=query_mask[firsts, :-1],  # (D, Q-1) into the cache
+       position_ids=position_ids[firsts, : Q - 1], use_cache=True, **{name: cache}, **logits_to_keep(lm, 1))
+    ids = torch.cat([query[:, -1:], response[:, :-1]], 1)  # (B, T)
+    return lm(input_ids=ids, attention_mask=mask[:, :-1], position_ids=position_ids[:, Q - 1 : Q + T - 1],
+              use_cache=True, output_hidden_states=hidden_states, **{name: expanded_cache(cache, expand)})
 
 
 def logits_to_keep(lm: nn.Module, n: int) -> dict[str, int]:
