@@ -154,7 +154,9 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
     else:
         ref = CopyReference(lm, cfg.prefill_once) if reference else None
     _checkpointing(lm, cfg)  # after the references copied what they need
-    policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save, prefill_once=cfg.prefill_once).eval()
+    # fsdp: each block's forward in training is a collective, so every rank runs the same passes
+    policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save, prefill_once=cfg.prefill_once,
+                          fixed_passes=cfg.sharding == "fsdp").eval()
     return _loaded(policy, ref, tok, weights, note)
 
 

@@ -138,6 +138,30 @@ def test_the_full_forward_where_nothing_is_shared(tiny_model):
     assert rows == [8]
 
 
+def test_fixed_passes_run_the_prompt_pass_on_every_batch(tiny_llama):
+    """model.sharding: fsdp builds the policy with ``fixed_passes``: a batch without a repeated query
+    (D = B) and one of one-token queries (behind a masked pad column) still take both passes, with the
+    full forward's results."""
+    torch.manual_seed(0)
+    full = load_models(ModelConfig(path=str(tiny_llama), value_head_std=0.1, prefill_once=False), seed=0).policy
+    torch.manual_seed(0)
+    m = load_models(ModelConfig(path=str(tiny_llama), value_head_std=0.1, sharding="fsdp"), seed=0)
+    assert m.policy.fixed_passes and not full.fixed_passes
+    q, qm, r, rm = _batch(m.tokenizer)
+    for what, rows in (("no repeat", [0, 1, 3]), ("one-token queries", [0, 1, 2, 3])):  # the latter: 2 repeat
+        qq, qqm = (q[rows], qm[rows]) if what == "no repeat" else (q[rows, -1:], qm[rows, -1:])
+        args = (qq, qqm, r[rows], rm[rows])
+        with _FirstBlockRows(m.policy.lm) as seen:
+            logits, values, grads = _outputs(m.policy, *args)
+        distinct = len({tuple(x) for x in qq.masked_fill(~qqm, -1).tolist()})
+        assert seen == [distinct, len(rows)], what  # the prompt pass, then the response pass
+        l0, v0, g0 = _outputs(full, *args)
+        torch.testing.assert_close(logits, l0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(values, v0, rtol=1e-5, atol=1e-5)
+        for k in g0:
+            assert ((grads[k] - g0[k]).abs().max() / g0[k].abs().max().clamp(min=1e-6)) < 1e-4, (what, k)
+
+
 def test_models_whose_cache_is_not_plain_attention_run_the_full_forward(tiny_llama):
     from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
