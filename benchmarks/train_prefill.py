@@ -1,0 +1,139 @@
+"""The forward passes over rollouts with ``model.prefill_once`` on and off, on the ``grpo_vs_trl``
+arithmetic row's work: SmolLM2-135M-Instruct, 8 arithmetic problems (the example's chat prompts, 86-98
+tokens) x G = 8 = 64 rows with responses of at most 10 tokens, one torch thread.
+
+- **sharing**: how many distinct prompts the update's micro-batches hold. The update shuffles the 64
+  rows into 2 minibatches of 32 (``ppo.num_minibatches: 2``, one micro-batch each in the row; also shown
+  for micro-batches of 8 and 4); over ``--shuffles`` permutations drawn as the update draws them
+  (``torch.randperm``), the mean distinct prompts per micro-batch and the token positions the model runs
+  (padded, after the update's column trim): off, rows x (query + response width); on, distinct x (query
+  width - 1) + rows x response width.
+- **timing**: the scoring pass (the policy's no-grad forward over the 64 rows, as ``score_tokens`` runs
+  it) and one minibatch's forward + backward (32 rows, the log-prob loss of the update, no optimizer step:
+  it is the same either way), off and on alternating ``--pairs`` times on the same module after a warm-up
+  of each; ratio = median of the per-pair ratios off / on (> 1: on is faster).
+
+    .venv/bin/python benchmarks/train_prefill.py [--pairs 5] [--shuffles 2000] [--out runs/bench/train_prefill.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks.common` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ENV, machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBLEMS, G, MINIBATCHES, MAX_NEW = 8, 8, 2, 10
+
+
+def sharing(query_len: list[int], resp_len: list[int], groups: list[int], micro: int, shuffles: int) -> dict:
+    """Distinct prompts and token positions per micro-batch over ``shuffles`` update permutations."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    B = len(groups)
+    distinct, off, on = [], 0, 0
+    for _ in range(shuffles):
+        for mb in torch.tensor_split(torch.randperm(B, generator=gen), MINIBATCHES):
+            for a in range(0, len(mb), micro):
+                rows = mb[a : a + micro].tolist()
+                Q, T = max(query_len[i] for i in rows), max(resp_len[i] for i in rows)
+                D = len({groups[i] for i in rows})
+                distinct.append(D)
+                off += len(rows) * (Q + T)
+                on += (D * (Q - 1) + len(rows) * T) if D < len(rows) else len(rows) * (Q + T)
+    return {"micro_batch_rows": micro, "mean_distinct_prompts": statistics.fmean(distinct),
+            "rows_per_distinct_prompt": micro / statistics.fmean(distinct),
+            "positions_on_over_off": on / off}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--shuffles", type=int, default=2000)
+    p.add_argument("--out", default="runs/bench/train_prefill.json")
+    args = p.parse_args()
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    import torch
+
+    from examples.sentiments.prepare import smollm2_dir
+    from rallyrl import ops
+    from rallyrl.config import ModelConfig
+    from rallyrl.models import load_models
+    from rallyrl.rollout import pad
+
+    torch.set_num_threads(1)
+    m = load_models(ModelConfig(path=str(smollm2_dir())), seed=0, value_head=False, reference=False)
+    tok, policy = m.tokenizer, m.policy
+    rows = [json.loads(x) for x in (ROOT / "examples" / "arithmetic" / "prompts.jsonl").read_text().splitlines()]
+    # rendered as rallyrl renders conversational prompts (rallyrl/inputs.py): the template's text, then
+    # tokenized without special tokens (the template wrote them)
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows[:PROBLEMS]]
+    prompts = tok(texts, add_special_tokens=False)["input_ids"]
+    queries = [q for q in prompts for _ in range(G)]  # a group's members are consecutive, as in a chunk
+    groups = [i // G for i in range(len(queries))]
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(2, MAX_NEW + 1, (len(queries),), generator=g).tolist()
+    responses = [torch.randint(100, len(tok), (n,), generator=g).tolist() for n in lens]
+    q, qm = pad(queries, tok.pad_token_id, left=True)  # (64, Q)
+    r, rm = pad(responses, tok.pad_token_id, left=False)  # (64, T)
+    qlen = [len(x) for x in queries]
+    share = [sharing(qlen, lens, groups, micro, args.shuffles) for micro in (32, 8, 4)]
+    for s in share:
+        print(f"micro-batches of {s['micro_batch_rows']}: {s['mean_distinct_prompts']:.2f} distinct prompts, "
+              f"{s['rows_per_distinct_prompt']:.2f} rows each; positions on/off {s['positions_on_over_off']:.3f}",
+              flush=True)
+    mb = torch.randperm(len(queries), generator=torch.Generator().manual_seed(2))[: len(queries) // MINIBATCHES]
+    mq, mqm, mr, mrm = q[mb], qm[mb], r[mb], rm[mb]
+    cut = mqm.any(0).nonzero()[0, 0]  # the update's trim: columns of padding in every row
+    mq, mqm = mq[:, cut:], mqm[:, cut:]
+
+    def scoring() -> None:
+        with torch.no_grad():
+            logits, _ = policy(q, qm, r, rm)
+            ops.logprobs_from_logits(logits.float(), r)
+
+    def update() -> None:
+        policy.zero_grad(set_to_none=True)
+        logits, _ = policy(mq, mqm, mr, mrm)
+        lp = ops.logprobs_from_logits(logits.float(), mr)
+        (-(lp * mrm).sum() / mrm.sum()).backward()
+
+    results = {}
+    for name, fn in (("scoring", scoring), ("update_forward_backward", update)):
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for on in (False, True):  # warm-up
+            policy.prefill_once = on
+            fn()
+        for pair in range(args.pairs):
+            for on in ((False, True) if pair % 2 == 0 else (True, False)):
+                policy.prefill_once = on
+                t0 = time.perf_counter()
+                fn()
+                times[on].append(time.perf_counter() - t0)
+            print(f"{name} pair {pair}: off {times[False][-1]:.2f} s, on {times[True][-1]:.2f} s", flush=True)
+        ratio = statistics.median(a / b for a, b in zip(times[False], times[True]))
+        results[name] = {"off_s": times[False], "on_s": times[True], "off_median_s": statistics.median(times[False]),
+                         "on_median_s": statistics.median(times[True]), "speedup": ratio}
+        print(f"{name}: off {results[name]['off_median_s']:.2f} s, on {results[name]['on_median_s']:.2f} s, "
+              f"speedup {ratio:.2f}x", flush=True)
+    out = {"settings": vars(args) | {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "rows": len(queries),
+                                     "prompt_lengths": [len(x) for x in prompts], "response_lengths": lens,
+                                     "minibatch_rows": len(mb), "threads": 1},
+           "machine": machine(), "load_1min": os.getloadavg()[0], "sharing": share, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
