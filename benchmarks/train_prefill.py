@@ -13,7 +13,14 @@ tokens) x G = 8 = 64 rows with responses of at most 10 tokens, one torch thread.
   it is the same either way), off and on alternating ``--pairs`` times on the same module after a warm-up
   of each; ratio = median of the per-pair ratios off / on (> 1: on is faster).
 
+- **drift** (``--drift N``): how far the last bits move. ``examples/arithmetic/grpo.yaml`` (the same
+  model, prompts and G, 1 process, no evaluation) trains ``N`` iterations with ``model.prefill_once`` on
+  and off from the same seed; compared: the final weights (largest difference, and the L2 norm of the
+  difference against that of the training's own change from the initial weights), every logged metric
+  per iteration, and which sampled outputs are identical.
+
     .venv/bin/python benchmarks/train_prefill.py [--pairs 5] [--shuffles 2000] [--out runs/bench/train_prefill.json]
+    .venv/bin/python benchmarks/train_prefill.py --drift 3 [--out runs/bench/train_prefill_drift.json]
 """
 
 from __future__ import annotations
@@ -56,14 +63,72 @@ def sharing(query_len: list[int], resp_len: list[int], groups: list[int], micro:
             "positions_on_over_off": on / off}
 
 
+def drift(iterations: int, work: Path) -> dict:
+    """Train the arithmetic example on and off (see the module docstring) and compare the two runs."""
+    import subprocess
+
+    import torch
+    from safetensors.torch import load_file
+
+    from examples.sentiments.prepare import smollm2_dir
+
+    runs = {}
+    for on in (True, False):
+        run_dir = work / f"prefill_once_{str(on).lower()}"
+        sets = [f"model.path={smollm2_dir()}", f"train.run_dir={run_dir}", f"train.iterations={iterations}",
+                "train.overwrite=true", "train.progress=false", "eval.interval=0", "data.eval_prompts=null",
+                f"model.prefill_once={str(on).lower()}"]
+        cmd = [sys.executable, "-m", "rallyrl.cli", "train", str(ROOT / "examples" / "arithmetic" / "grpo.yaml")]
+        t0 = time.perf_counter()
+        subprocess.run(cmd + [x for kv in sets for x in ("--set", kv)], cwd=ROOT, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+        print(f"drift: prefill_once={on} trained {iterations} iterations in {time.perf_counter() - t0:.0f} s", flush=True)
+        runs[on] = run_dir
+
+    def jsonl(path: Path) -> list[dict]:
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+    init = {k: v.float() for k, v in load_file(smollm2_dir() / "model.safetensors").items()}
+    a, b = (load_file(runs[on] / "final" / "model.safetensors") for on in (True, False))
+    keys = sorted(set(a) & set(init))
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in keys)
+    moved = max((b[k].float() - init[k]).abs().max().item() for k in keys)
+    l2 = sum((a[k].float() - b[k].float()).square().sum().item() for k in keys) ** 0.5
+    l2_moved = sum((b[k].float() - init[k]).square().sum().item() for k in keys) ** 0.5
+    ma, mb = jsonl(runs[True] / "metrics.jsonl"), jsonl(runs[False] / "metrics.jsonl")
+    metrics = [{k: {"on": x[k], "off": y[k], "abs_diff": abs(x[k] - y[k])} for k in x
+                if not k.startswith(("time/", "memory/")) and isinstance(x[k], (int, float)) and k in y}
+               for x, y in zip(ma, mb)]
+    ra, rb = jsonl(runs[True] / "rollouts.jsonl"), jsonl(runs[False] / "rollouts.jsonl")
+    same = {}
+    for x, y in zip(ra, rb):
+        same.setdefault(x["step"], []).append(x["output"] == y["output"])
+    out = {"iterations": iterations, "weights_max_abs_diff": diff, "weights_max_abs_change_off": moved,
+           "weights_l2_diff": l2, "weights_l2_change_off": l2_moved, "weights_l2_ratio": l2 / l2_moved,
+           "identical_outputs_per_step": {str(k): f"{sum(v)}/{len(v)}" for k, v in same.items()},
+           "metrics_per_step": metrics}
+    print(f"drift: weights max |on-off| {diff:.3g} (training moved them up to {moved:.3g}); "
+          f"L2 {l2:.3g} vs {l2_moved:.3g} ({l2 / l2_moved:.2g}); identical outputs {out['identical_outputs_per_step']}",
+          flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--shuffles", type=int, default=2000)
     p.add_argument("--out", default="runs/bench/train_prefill.json")
+    p.add_argument("--drift", type=int, default=0, metavar="N", help="only the drift runs, N iterations each")
     args = p.parse_args()
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    if args.drift:
+        res = {"settings": vars(args), "machine": machine(), "load_1min_before": os.getloadavg()[0],
+               "drift": drift(args.drift, ROOT / "runs" / "bench" / "train_prefill_drift")}
+        res["load_1min_after"] = os.getloadavg()[0]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        return
     import torch
 
     from examples.sentiments.prepare import smollm2_dir
