@@ -235,6 +235,49 @@ class RolloutConfig:
     )
 
 
+# `generation.engine`: what samples the rollouts (rallyrl/rollout/engine.py; docs/engines.md).
+ENGINES = ("hf", "vllm")
+
+
+@dataclass
+class VLLMConfig:
+    dtype: Literal[("auto", *DTYPES)] = _f(  # type: ignore[valid-type]
+        "auto",
+        "Dtype vLLM computes in: `auto` = `model.dtype` (the trainer's). `bfloat16` generates ~2.5x faster on a "
+        "CPU with avx512_bf16 at a larger engine/trainer mismatch (docs/engines.md has the measured numbers).",
+    )
+    memory_fraction: float | None = _f(
+        None,
+        "vLLM's `gpu_memory_utilization` on a GPU: the share of the device's memory the engine may take for its "
+        "weights and KV cache, beside the trainer on the same device. null = 0.3 (TRL's colocate default). Not "
+        "read on CPU (there `kv_cache_gib` sizes the cache).",
+    )
+    kv_cache_gib: float | None = _f(
+        None,
+        "KV-cache size in GiB (vLLM's `kv_cache_memory_bytes`). null = 1 GiB on CPU (vLLM's own default reserves "
+        "a share of the machine's RAM per engine, and there is one engine per rank), and on a GPU the cache is "
+        "sized by `memory_fraction`.",
+    )
+    max_model_len: int | None = _f(
+        None, "Longest prompt + response the engine accepts, in tokens. null = the model's maximum position count."
+    )
+    enforce_eager: bool | None = _f(
+        None,
+        "Run the model eagerly (no torch.compile / CUDA graphs). null = true on CPU (compiling costs minutes per "
+        "start and each rank starts an engine), false on a GPU.",
+    )
+    probe_tolerance: float | None = _f(
+        None,
+        "After every weight push a fixed token sequence is scored by the engine and by the policy; the largest "
+        "per-token log-prob difference must be at most this, else every rank stops with an `EngineError`. null = "
+        "the measured default for the engine's dtype against a float32 trainer (1e-3 for float32, 0.25 for "
+        "bfloat16/float16; docs/engines.md).",
+    )
+    sync_timeout_s: float = _f(
+        300.0, "Seconds a weight push (and its probe) may take on a rank before every rank stops with an `EngineError`."
+    )
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = _f(32, "Maximum response length in tokens.")
@@ -254,6 +297,14 @@ class GenerationConfig:
         "SmolLM2-135M (docs/scaling.md). Chunks without a repeated prompt, one-token prompts and models "
         "whose cache cannot be expanded take the ordinary path.",
     )
+    engine: Literal[ENGINES] = _f(  # type: ignore[valid-type]
+        "hf",
+        "What samples the rollouts (and eval): `hf` (transformers' `generate` on the policy's own weights: exact "
+        "on-policy) or `vllm` (an in-process vLLM engine per rank, fed the policy's weights after every optimizer "
+        "phase and checked by a probe; causal LMs; needs vLLM installed). See docs/engines.md.",
+    )
+    vllm: VLLMConfig = field(default_factory=VLLMConfig,
+                             metadata={"doc": "`generation.engine: vllm` settings (below)."})
 
 
 @dataclass
@@ -328,6 +379,24 @@ class PPOConfig:
         "none", "Divide scores by the running std of scores (global over ranks)."
     )
     reward_clip: float | None = _f(None, "Clip scores to [-x, x] after scaling (null = off).")
+    engine_correction: Literal["none", "tis", "mask"] = _f(
+        "none",
+        "Correction of the policy-gradient term for the difference between the engine that sampled "
+        "(`generation.engine: vllm`) and the trainer's log-probs of the same weights, per action token with "
+        "ratio r = exp(trainer - engine log-prob): `none`; `tis` (weight min(r, `engine_correction_cap`), "
+        "truncated importance sampling); `mask` (weight 0 where r leaves `engine_correction_bounds`, per token or "
+        "per sequence: `engine_correction_level`). Needs `rollout.logprobs_from: forward`. docs/engines.md.",
+    )
+    engine_correction_cap: float = _f(2.0, "`tis`: the cap C of the weight min(r, C) (veRL's default 2.0).")
+    engine_correction_bounds: list[float] = _f(
+        [0.5, 2.0], "`mask`: [low, high]; a token (or sequence) whose ratio is outside is left out of the "
+                    "policy-gradient term (weight 0).",
+    )
+    engine_correction_level: Literal["token", "sequence"] = _f(
+        "token",
+        "`mask`: `token` (each token's own ratio) or `sequence` (the geometric mean of a sequence's token "
+        "ratios, exp(mean log r), decides for all its tokens: a product of ratios would explode with length).",
+    )
     max_nonfinite_skips: int = _f(
         0,
         "Optimizer steps whose loss or gradient norm is NaN/inf that may be skipped (not applied, counted "
@@ -742,6 +811,7 @@ def validate(cfg: Config) -> None:
     positive("ppo.reward_clip", cfg.ppo.reward_clip)
     positive("ppo.max_nonfinite_skips", cfg.ppo.max_nonfinite_skips, allow_zero=True)
     _check_estimator(cfg)
+    _check_engine(cfg)
     if cfg.train.mixed_precision == "fp16":
         raise ConfigError("train.mixed_precision=fp16 is not supported: float16 training needs a dynamic loss "
                           "scaler, which rallyrl does not implement (it could not be tested here: CPU autocast "
@@ -820,6 +890,52 @@ def _check_estimator(cfg: Config) -> None:
         raise ConfigError(f"ppo.group_std_floor must be > 0, got {ppo.group_std_floor}")
     if ppo.clip_range_high is not None and ppo.clip_range_high <= 0:
         raise ConfigError(f"ppo.clip_range_high must be > 0, got {ppo.clip_range_high}")
+
+
+def engine_logprobs_exact(gen: GenerationConfig, do_sample: bool) -> bool:
+    """Whether vLLM can return the log-probs the trainer computes: of the full vocabulary at the sampling
+    temperature. vLLM's are either raw (temperature 1, full vocabulary) or processed (temperature applied,
+    but renormalised over what top-k / top-p kept: TRL #6789), so they match with no truncation, or at
+    temperature 1 (docs/engines.md)."""
+    truncated = gen.top_k > 0 or gen.top_p < 1.0
+    return gen.temperature == 1.0 or (do_sample and not truncated)
+
+
+def _check_engine(cfg: Config) -> None:
+    """``generation.engine`` / ``generation.vllm`` / ``ppo.engine_correction`` (docs/engines.md)."""
+    g, v, p = cfg.generation, cfg.generation.vllm, cfg.ppo
+    for key in ("memory_fraction", "kv_cache_gib", "max_model_len", "probe_tolerance", "sync_timeout_s"):
+        value = getattr(v, key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"generation.vllm.{key} must be > 0, got {value}")
+    if v.memory_fraction is not None and v.memory_fraction > 1:
+        raise ConfigError(f"generation.vllm.memory_fraction must be in (0, 1], got {v.memory_fraction}")
+    if p.engine_correction_cap <= 0:
+        raise ConfigError(f"ppo.engine_correction_cap must be > 0, got {p.engine_correction_cap}")
+    b = p.engine_correction_bounds
+    if len(b) != 2 or not 0 <= b[0] < 1 < b[1]:
+        raise ConfigError(f"ppo.engine_correction_bounds must be [low, high] with 0 <= low < 1 < high, got {b}")
+    if g.engine == "hf":
+        if p.engine_correction != "none":
+            raise ConfigError(f"ppo.engine_correction={p.engine_correction!r} corrects for a separate engine "
+                              f"(generation.engine: vllm); the hf engine samples with the trained weights themselves")
+        return
+    if cfg.model.arch != "causal":
+        raise ConfigError("generation.engine: vllm serves causal LMs only (model.arch: causal); a seq2seq policy "
+                          "generates with generation.engine: hf")
+    generate = cfg.rollout.logprobs_from == "generate"
+    if generate and not p.critic_free:
+        raise ConfigError("rollout.logprobs_from: generate with generation.engine: vllm needs a critic-free "
+                          "ppo.estimator (grpo or rloo): vLLM does not run the value head")
+    if generate and p.engine_correction != "none":
+        raise ConfigError("ppo.engine_correction needs rollout.logprobs_from: forward (with generate the engine's "
+                          "log-probs ARE the old log-probs: PPO's ratio already runs against them)")
+    if not engine_logprobs_exact(g, g.do_sample) and (generate or p.engine_correction != "none"):
+        raise ConfigError(
+            f"generation.engine: vllm cannot return full-vocabulary log-probs at temperature {g.temperature} with "
+            f"top_k={g.top_k} / top_p={g.top_p} (its processed log-probs are renormalised over the kept tokens, "
+            f"TRL #6789), which rollout.logprobs_from: generate and ppo.engine_correction need: set "
+            f"generation.temperature: 1, or top_k: 0 and top_p: 1 (docs/engines.md)")
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -1114,6 +1230,8 @@ def config_markdown() -> str:
         lines.append("")
         if cls is ModelConfig:
             lines += _sub_table("`model.lora`:", LoraConfig, "model.lora.")
+        if cls is GenerationConfig:
+            lines += _sub_table("`generation.vllm`:", VLLMConfig, "generation.vllm.")
         if cls is RewardConfig:
             lines += _sub_table("Each entry of `reward.fns`:", RewardFnSpec, "")
     return "\n".join(lines)

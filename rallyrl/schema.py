@@ -34,7 +34,9 @@ RANGES: dict[str, dict[str, Any]] = {
         "ppo.clip_range", "ppo.clip_range_value", "ppo.target_kl", "ppo.kl_horizon", "ppo.reward_clip",
         "reward.batch_size", "reward.timeout_s", "checkpoint.keep_last", "dist.timeout_s",
         "model.num_layers_unfrozen", "model.lora.r", "model.lora.alpha", "rollout.samples_per_prompt",
-        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt")},
+        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt", "ppo.engine_correction_cap",
+        "generation.vllm.kv_cache_gib", "generation.vllm.max_model_len", "generation.vllm.probe_tolerance",
+        "generation.vllm.sync_timeout_s")},
     **{k: _GE0 for k in (
         "generation.top_k", "train.iterations", "eval.interval", "train.num_threads", "ppo.warmup_steps",
         "ppo.init_kl_coef", "ppo.max_nonfinite_skips", "checkpoint.interval", "reward.retries")},
@@ -42,11 +44,13 @@ RANGES: dict[str, dict[str, Any]] = {
     "ppo.gamma": {"minimum": 0, "maximum": 1},
     "ppo.lam": {"minimum": 0, "maximum": 1},
     "model.lora.dropout": {"minimum": 0, "maximum": 0},
+    "generation.vllm.memory_fraction": {"exclusiveMinimum": 0, "maximum": 1},
 }
 # Strings and lists the validator bounds, and keys it requires.
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "generation.stop_sequences": {"items": {"minLength": 1}},
     "reward.fns[].fn": {"minLength": 1},
+    "ppo.engine_correction_bounds": {"minItems": 2, "maxItems": 2},
 }
 REQUIRED = {"reward.fns[]": ["fn"]}
 
