@@ -342,6 +342,16 @@ def reduce_stats(stats: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in zip(keys, vec.tolist())}
 
 
+def reduce_max(stats: dict[str, float]) -> dict[str, float]:
+    """The maximum over ranks of each value of a dict of scalars, with ONE all-reduce (same keys on every rank)."""
+    if not stats or not is_distributed():
+        return dict(stats)
+    keys = sorted(stats)
+    vec = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=_device())
+    tdist.all_reduce(vec, op=tdist.ReduceOp.MAX)
+    return {k: float(v) for k, v in zip(keys, vec.tolist())}
+
+
 def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
     """Gather one picklable object per rank onto ``dst`` (a list in rank order there, None elsewhere)."""
     if not is_distributed():

@@ -17,6 +17,7 @@ nothing here knows whether the policy is a causal LM or a seq2seq model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -29,11 +30,12 @@ import torch
 
 from . import checkpoint as ckpt
 from . import dist
-from .config import BatchPlan, Config, PPOConfig, load_config
+from .config import BatchPlan, Config, PPOConfig, engine_logprobs_exact, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
 from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
 from .learn.advantages import compute_advantages
+from .learn.engine import engine_correction
 from .learn.metrics import iteration_metrics
 from .learn.state import Learner, TrainState
 from .learn.update import ppo_update
@@ -67,7 +69,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     with _reward_host(cfg, inp) as reward_step:  # a `reward.server: local` starts now, stops however this ends
         models, learner, state = _build(cfg, inp, device)
         resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
-        engine, spec = _engine(cfg, models, state, device)  # generation: the policy's own weights (HF)
+        engine, spec = _engine(cfg, models, state, device)  # hf: the policy's own weights; vllm: a pushed copy
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                      TrainResult(run_dir.path), callbacks)
         log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
@@ -82,15 +84,22 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
                 # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
                 shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
-                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device)
+                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device,
+                                                     from_generation=cfg.rollout.logprobs_from == "generate")
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
+                # vllm: the engine/trainer mismatch (engine/*) and ppo.engine_correction on the advantages
+                adv, engine_metrics = engine_correction(ro, adv, cfg.ppo, state.iteration)
                 # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
                 upd = ppo_update(learner, ro, adv, state, cfg.ppo, cfg.generation.temperature,
                                  cfg.generation.max_new_tokens, device)
-                engine.sync(models.policy)  # the next samples come from the updated weights
+                t_sync = time.perf_counter()
+                engine.sync(models.policy)  # the next samples come from the updated weights (vllm: pushed, probed)
+                if hasattr(engine, "stats"):  # an engine with its own copy of the weights (vllm)
+                    engine_metrics |= engine.stats() | {"time/engine_sync": time.perf_counter() - t_sync}
                 # 6. statistics (one all-reduce), KL controller, logs, eval
                 metrics = _statistics(ro, adv, rstats, upd, times, inp, state, learner, models, step, cfg, run_dir)
+                metrics |= engine_metrics
                 log.rollouts(ro, adv.seq_advantages, step, dist.rank())  # unless train.log_rollouts is off
                 if step in evals:
                     metrics |= run_eval(step)
@@ -109,6 +118,8 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             raise
         finally:
             log.close()
+            if hasattr(engine, "close"):
+                engine.close()
     return log.result
 
 
@@ -181,15 +192,28 @@ def _engine(cfg: Config, models: LoadedModels, state: TrainState,
             device: torch.device) -> tuple[GenerationEngine, SamplingSpec]:
     """The generation engine and the training rollouts' sampling spec. The engine's weight version is the
     number of optimizer phases behind its weights (a resumed run continues the count)."""
-    engine = HFEngine(models.policy, models.tokenizer, device, cfg.generation.prefill_once, version=state.iteration)
-    spec = SamplingSpec.of(cfg.generation, cfg.generation.do_sample, models.tokenizer,
-                           logprobs=cfg.rollout.logprobs_from == "generate")
-    return engine, spec
+    gen = cfg.generation
+    spec = SamplingSpec.of(gen, gen.do_sample, models.tokenizer, logprobs=cfg.rollout.logprobs_from == "generate")
+    if gen.engine == "hf":
+        return HFEngine(models.policy, models.tokenizer, device, gen.prefill_once, version=state.iteration), spec
+    from .rollout.vllm import VLLMEngine
+
+    # The engine's log-probs are recorded whenever they mean what the trainer's do (full vocabulary at the
+    # sampling temperature: config.engine_logprobs_exact; the config refuses what needs them otherwise).
+    exact = engine_logprobs_exact(gen, gen.do_sample)
+    mode = "raw_logprobs" if gen.top_k > 0 or gen.top_p < 1.0 or not gen.do_sample else "processed_logprobs"
+    engine = VLLMEngine.start(models.policy, models.tokenizer, cfg.model.path, gen, cfg.model.dtype, mode, device,
+                              version=state.iteration,
+                              trainer_dtype="bfloat16" if cfg.train.mixed_precision == "bf16" else cfg.model.dtype)
+    return engine, dataclasses.replace(spec, logprobs=exact,
+                                       seed=stream_seed(cfg.train.seed, "engine_sampling", dist.rank()))
 
 
 def _evaluate(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs, cfg: Config,
               device: torch.device, log: RunLog, step: int) -> dict[str, float]:
     spec = SamplingSpec.of(cfg.generation, cfg.eval.do_sample, models.tokenizer)
+    if cfg.generation.engine != "hf":  # an engine with its own sampler: its own per-rank eval stream
+        spec = dataclasses.replace(spec, seed=stream_seed(cfg.train.seed, "engine_eval", dist.rank()))
     return log.eval(step, *evaluate(engine, models.tokenizer, reward_step, inp.eval_set, inp.metric_fn, spec,
                                     cfg.rollout.chunk_size, cfg.eval.samples_per_prompt))
 
