@@ -63,5 +63,5 @@ $(BENCH_STAMP): benchmarks/setup.sh pyproject.toml
 	VENV=$(BENCH_VENV) bash benchmarks/setup.sh
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) $(VLLM_STAMP)
 	$(BENCH_VENV)/bin/python benchmarks/bench.py $(if $(QUICK),--quick)
