@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,5 @@ def test_grpo_lora_bf16_engine_with_tis(tiny_model, tmp_path):
         assert 0 < x["engine/correction_weight_mean"] <= 1.5
     # the merged LoRA weights were pushed: after an lr 1e-2 update the probe still agrees (a stale engine would not)
     assert m[-1]["policy/kl"] > 0
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    assert not [k for k in m[-1] if k.startswith(("engine/", "time/engine")) and f"`{k}`" not in doc]
