@@ -209,7 +209,7 @@ def agree(fn: Callable[[], T], error: type[StageError], *, main_only: bool = Fal
             value = fn()
         except Exception as e:  # reported to every rank below, then raised there
             failure = Failure.of(e, rank())
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if on_exchange is not None else 0.0
     if main_only:
         outcome = broadcast_object((failure, value), src=0)
         failures, value = [outcome[0]], outcome[1]
