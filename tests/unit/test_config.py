@@ -1,4 +1,4 @@
-"""Strict config loading (rallyrl/config.py): errors name the dotted key, overrides, the batch plan, and
+"""Strict config loading (rallyrl/config/): errors name the dotted key, overrides, the batch plan, and
 the generated reference page (docs/config.md) cannot drift from the code."""
 
 from __future__ import annotations
