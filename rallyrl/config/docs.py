@@ -10,6 +10,7 @@ import yaml
 
 from .fields import type_name as _type_name
 from .model import LoraConfig, ModelConfig
+from .peers import PEER_OPTIONS
 from .reward import RewardConfig, RewardFnSpec
 from .root import Config
 
@@ -35,40 +36,43 @@ def _sub_table(title: str, cls: type, prefix: str) -> list[str]:
     return lines + [""]
 
 
+_INTRO = [
+    "# Configuration reference",
+    "",
+    "Generated from `rallyrl/config/` (`python -m rallyrl.config --markdown > docs/config.md`); a test",
+    "fails when this page and the code disagree. Every key can be set in the YAML file or on the",
+    "command line with `--set section.key=value` (the value is parsed as YAML). Unknown keys and wrong",
+    "types are errors naming the key, raised before any model is loaded.",
+    "",
+    "## Editor support: the JSON Schema",
+    "",
+    "`rallyrl schema` prints a JSON Schema (draft 2020-12) of this whole page: every key with its type,",
+    "choices, default, range and meaning. Save it once per rallyrl version and name it on a config's first",
+    "line; editors that use the YAML language server (VS Code's YAML extension, Neovim, JetBrains, Helix, Zed)",
+    "then complete keys, show each key's meaning on hover and mark a wrong type, a misspelled choice or a",
+    "value out of range as you type:",
+    "",
+    "```bash",
+    "rallyrl schema > rallyrl-config.schema.json",
+    "```",
+    "",
+    "```yaml",
+    "# yaml-language-server: $schema=rallyrl-config.schema.json",
+    "model:",
+    "  path: models/tiny",
+    "```",
+    "",
+    "The path is relative to the YAML file (a URL works too). In VS Code you can instead map it to a",
+    "glob in `settings.json`: `\"yaml.schemas\": {\"./rallyrl-config.schema.json\": \"configs/*.yaml\"}`. The",
+    "schema holds what a single key can be; checks across keys (e.g. `reward.url` with `reward.fn`) and",
+    "the batch plan are made by `rallyrl check CONFIG --nproc N`. The loader stays the authority: the",
+    "schema is generated from the same dataclasses (a test keeps the two in agreement).",
+    "",
+]
+
+
 def config_markdown() -> str:
-    lines = [
-        "# Configuration reference",
-        "",
-        "Generated from `rallyrl/config/` (`python -m rallyrl.config --markdown > docs/config.md`); a test",
-        "fails when this page and the code disagree. Every key can be set in the YAML file or on the",
-        "command line with `--set section.key=value` (the value is parsed as YAML). Unknown keys and wrong",
-        "types are errors naming the key, raised before any model is loaded.",
-        "",
-        "## Editor support: the JSON Schema",
-        "",
-        "`rallyrl schema` prints a JSON Schema (draft 2020-12) of this whole page: every key with its type,",
-        "choices, default, range and meaning. Save it once per rallyrl version and name it on a config's first",
-        "line; editors that use the YAML language server (VS Code's YAML extension, Neovim, JetBrains, Helix, Zed)",
-        "then complete keys, show each key's meaning on hover and mark a wrong type, a misspelled choice or a",
-        "value out of range as you type:",
-        "",
-        "```bash",
-        "rallyrl schema > rallyrl-config.schema.json",
-        "```",
-        "",
-        "```yaml",
-        "# yaml-language-server: $schema=rallyrl-config.schema.json",
-        "model:",
-        "  path: models/tiny",
-        "```",
-        "",
-        "The path is relative to the YAML file (a URL works too). In VS Code you can instead map it to a",
-        "glob in `settings.json`: `\"yaml.schemas\": {\"./rallyrl-config.schema.json\": \"configs/*.yaml\"}`. The",
-        "schema holds what a single key can be; checks across keys (e.g. `reward.url` with `reward.fn`) and",
-        "the batch plan are made by `rallyrl check CONFIG --nproc N`. The loader stays the authority: the",
-        "schema is generated from the same dataclasses (a test keeps the two in agreement).",
-        "",
-    ]
+    lines = list(_INTRO)
     for section in dataclasses.fields(Config):
         cls = typing.get_type_hints(Config)[section.name]
         lines += [f"## `{section.name}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
@@ -83,5 +87,26 @@ def config_markdown() -> str:
             lines += _sub_table("`model.lora`:", LoraConfig, "model.lora.")
         if cls is RewardConfig:
             lines += _sub_table("Each entry of `reward.fns`:", RewardFnSpec, "")
-    return "\n".join(lines)
+    return "\n".join(lines + _peers_section())
+
+
+def _peers_section() -> list[str]:
+    """The peers' option names (``peers.PEER_OPTIONS``, the table the loader's "did you mean" reads)."""
+    lines = [
+        "## Coming from TRL / OpenRLHF / veRL",
+        "",
+        "A peer's option name in a rallyrl config is an error that names the rallyrl key and what differs,",
+        "e.g. `unknown config key 'num_generations' (did you mean 'rollout.samples_per_prompt'? ...)`, at the",
+        "top level or inside any section. The names below are the loader's table (`rallyrl/config/peers.py`).",
+        "Names rallyrl shares with a peer (`gamma`, `lam`, `vf_coef`, `temperature`, `top_p`, `seed`,",
+        "`weight_decay`, `init_kl_coef`, ...) are suggested in their section when given in another one.",
+        "docs/algorithms.md compares the estimators, KL placements and loss aggregations themselves.",
+        "",
+        "| their option | whose | rallyrl key | what differs |",
+        "|---|---|---|---|",
+    ]
+    for p in PEER_OPTIONS:
+        note = p.note.replace("|", "\\|") or "—"
+        lines.append(f"| `{p.name}` | {p.who} | `{p.key}` | {note} |")
+    return lines + [""]
 

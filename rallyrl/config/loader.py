@@ -21,6 +21,7 @@ import yaml
 
 from .fields import ConfigError, type_name
 from .root import Config
+from .suggest import did_you_mean
 from .validate import validate
 
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)$")
@@ -127,16 +128,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in fields:
-            raise _unknown_key(k, list(fields), prefix, key)
+            raise ConfigError(f"unknown config key {key!r}{did_you_mean(str(k), cls, prefix, Config)}")
         kwargs[k] = _coerce(v, hints[k], key)
         _check_finite(kwargs[k], key, allow_inf=fields[k].metadata.get("allow_inf", False))
     return cls(**kwargs)
-
-
-def _unknown_key(k: Any, names: list[str], prefix: str, key: str) -> ConfigError:
-    hint = difflib.get_close_matches(str(k), names, n=1)
-    extra = f" (did you mean {(prefix + '.' if prefix else '') + hint[0]!r}?)" if hint else ""
-    return ConfigError(f"unknown config key {key!r}{extra}")
 
 
 def _check_finite(value: Any, key: str, allow_inf: bool) -> None:
