@@ -12,7 +12,9 @@ The rooms, in the order a config goes through them:
 
 - ``fields``: ``ConfigError``, the field helper ``_f`` (doc + range), the shared choice lists;
 - ``model``, ``train``, ``algorithm``, ``reward``: the section dataclasses; ``root``: ``Config``;
-- ``loader``: YAML (duplicate keys refused), ``--set`` overrides, coercion, unknown keys;
+- ``yamlio``: YAML 1.2 reading (duplicate keys and 1.1/1.2-ambiguous scalars refused) and writing;
+- ``loader``: ``--set`` overrides, coercion, unknown keys (``suggest``: did-you-mean, with the peers'
+  option names of ``peers``);
 - ``validate``: ranges and checks across fields, warnings;
 - ``plan``: ``BatchPlan``; ``changes``: what differs between two configs;
 - ``docs`` (docs/config.md) and ``schema`` (the JSON schema).
@@ -22,19 +24,20 @@ from .algorithm import GenerationConfig, PPOConfig, RolloutConfig
 from .changes import FREE_TO_CHANGE, Change, config_changes, flat_config, format_changes
 from .docs import config_markdown
 from .fields import DTYPES, REFERENCES, TRACKERS, ConfigError
-from .loader import load_config, load_yaml, parse_overrides, read_text
+from .loader import load_config, parse_overrides, read_text
 from .model import DataConfig, LoraConfig, ModelConfig
 from .plan import BatchPlan, make_batch_plan, split_evenly
 from .reward import RewardConfig, RewardFnSpec, reward_fn_name
 from .root import Config
 from .train import CheckpointConfig, DistConfig, EvalConfig, TrainConfig
 from .validate import SERVER_ARGS, config_warnings, validate
+from .yamlio import dump_yaml, load_yaml
 
 __all__ = [
     "DTYPES", "FREE_TO_CHANGE", "REFERENCES", "SERVER_ARGS", "TRACKERS",
     "BatchPlan", "Change", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "EvalConfig",
     "GenerationConfig", "LoraConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RewardFnSpec",
     "RolloutConfig", "TrainConfig",
-    "config_changes", "config_markdown", "config_warnings", "flat_config", "format_changes", "load_config",
+    "config_changes", "config_markdown", "config_warnings", "dump_yaml", "flat_config", "format_changes", "load_config",
     "load_yaml", "make_batch_plan", "parse_overrides", "read_text", "reward_fn_name", "split_evenly", "validate",
 ]

@@ -31,9 +31,10 @@ BOUNDS = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "
 
 
 def _f(default: Any, doc: str, **kw: Any) -> Any:
-    """A dataclass field with documentation (and optionally a range: ``gt``/``ge``/``lt``/``le``, ``why``)
-    attached; mutable defaults are copied per instance."""
-    unknown = set(kw) - set(BOUNDS) - {"why", "allow_inf"}
+    """A dataclass field with documentation (and optionally a range: ``gt``/``ge``/``lt``/``le``, ``why``;
+    ``unsupported``: choices of its type that are always refused, with the reason) attached; mutable
+    defaults are copied per instance."""
+    unknown = set(kw) - set(BOUNDS) - {"why", "allow_inf", "unsupported"}
     if unknown:  # a typo here would silently drop a range
         raise TypeError(f"unknown field metadata {sorted(unknown)}")
     if isinstance(default, (list, dict)):

@@ -1,5 +1,5 @@
-"""Strict loading: YAML (duplicate keys refused), dotted ``--set`` overrides, type coercion and the
-dataclass tree, with every unknown key and wrong type a ``ConfigError`` naming the dotted key.
+"""Strict loading: a YAML file (``yamlio``), dotted ``--set`` overrides, type coercion and the dataclass
+tree, with every unknown key and wrong type a ``ConfigError`` naming the dotted key.
 
 Strictness is the point (style rule 4): an unknown key, or a value of the wrong type, is a
 ``ConfigError`` naming the dotted key (with a "did you mean" suggestion) and it is raised before any
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from pathlib import Path
@@ -23,9 +22,7 @@ from .fields import ConfigError, type_name
 from .root import Config
 from .suggest import did_you_mean
 from .validate import validate
-
-_FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)$")
-
+from .yamlio import load_yaml, number_only_in_yaml12, yaml_error_line
 
 def _expected(tp: Any, key: str, value: Any) -> ConfigError:
     return ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
@@ -96,18 +93,26 @@ def _bool(value: Any, key: str) -> bool:
 
 
 def _int(value: Any, key: str) -> int:
+    # 2.0 is 2: JSON (so the JSON schema and editors) cannot tell them apart, and YAML writes 1e3 as a float
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}{_as_text(value)}")
     return value
 
 
 def _float(value: Any, key: str) -> float:
-    if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-        # YAML 1.1 (PyYAML) reads "3e-4" as a string; every user means the number.
-        return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}{_as_text(value)}")
     return float(value)
+
+
+def _as_text(value: Any) -> str:
+    """Why a number arrived as text: YAML 1.1 (PyYAML's ``yaml.safe_load``) reads ``3e-5`` as a string."""
+    if isinstance(value, str) and number_only_in_yaml12(value):
+        return (f" (a string: YAML 1.1, e.g. PyYAML's yaml.safe_load, reads {value} as text; rallyrl reads YAML "
+                f"1.2, where it is a number: pass the file's path, or load it with rallyrl.config.load_yaml)")
+    return ""
 
 
 def _str(value: Any, key: str) -> str:
@@ -157,55 +162,6 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader (plain data only: no tag ever constructs an object), plus: a key given twice in
-    one mapping is an error. PyYAML keeps the last value silently, so a config with `iterations: 1` and,
-    further down, `iterations: 3` would train 3 iterations without a word."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` merges are allowed to override
-                continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                if key in seen:
-                    raise _DuplicateKey(key, seen[key], line)
-                seen[key] = line
-            except TypeError:  # an unhashable key (a list): the base class reports it
-                continue
-        return super().construct_mapping(node, deep=deep)
-
-
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: Any, first: int, second: int) -> None:
-        super().__init__(f"key {key!r} is given twice (lines {first} and {second}); keep one")
-        self.key, self.first, self.second = key, first, second
-
-
-def _yaml_error_line(e: yaml.YAMLError) -> str:
-    """A YAML error as one line: a duplicate key names both lines; a tag names the tag (safe loading never
-    constructs objects from tags such as `!!python/object`); a syntax error keeps its line and column."""
-    if isinstance(e, _DuplicateKey):
-        return str(e)
-    if isinstance(e, yaml.constructor.ConstructorError) and e.problem and "constructor for the tag" in e.problem:
-        tag = e.problem.split("tag", 1)[1].strip(" '")
-        where = f"line {e.problem_mark.line + 1}: " if e.problem_mark else ""
-        return (f"{where}the YAML tag {tag.replace('tag:yaml.org,2002:', '!!')!r} is not allowed (configs are "
-                f"plain data: mappings, lists, strings, numbers, booleans, null)")
-    if isinstance(e, yaml.MarkedYAMLError):
-        mark = e.problem_mark or e.context_mark
-        what = "; ".join(x for x in (e.context, e.problem) if x)
-        return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else what
-    return " ".join(str(e).split())
-
-
-def load_yaml(text: str) -> Any:
-    """Strict YAML (see ``_StrictLoader``); raises ``yaml.YAMLError``."""
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-
-
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     """``["ppo.lr=3e-4", "data.prompts=[a, b]"]`` -> dotted keys with YAML-parsed values."""
     out = []
@@ -216,7 +172,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         try:
             parsed = load_yaml(v) if v != "" else ""
         except yaml.YAMLError as e:
-            raise ConfigError(f"--set {k}: value {v!r} is not valid YAML: {_yaml_error_line(e)}") from None
+            raise ConfigError(f"--set {k}: value {v!r} is not valid YAML: {yaml_error_line(e)}") from None
         out.append((k.strip(), parsed))
     return out
 
@@ -245,7 +201,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     try:
         data = load_yaml(read_text(path, "config file"))
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_error_line(e)}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_error_line(e)}") from None
     data = {} if data is None else data  # an empty file: every default
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections (model:, train:, ...) at the "

@@ -6,12 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from .algorithm import GenerationConfig, PPOConfig, RolloutConfig
 from .model import DataConfig, ModelConfig
 from .reward import RewardConfig
 from .train import CheckpointConfig, DistConfig, EvalConfig, TrainConfig
+from .yamlio import dump_yaml
 
 
 @dataclass
@@ -31,4 +30,4 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml(self.to_dict())

@@ -28,6 +28,8 @@ DRAFT = "https://json-schema.org/draft/2020-12/schema"
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "generation.stop_sequences": {"items": {"minLength": 1}},
     "reward.fns[].fn": {"minLength": 1},
+    "reward.url": {"minItems": 1},  # (minItems only binds the list arm of `str | list[str]`)
+    "model.lora.target_modules": {"minItems": 1},
 }
 REQUIRED = {"reward.fns[]": ["fn"]}
 
@@ -91,6 +93,8 @@ def _object(cls: type, prefix: str) -> dict[str, Any]:
         s = _type(hints[f.name], key)
         rng = {BOUNDS[k]: f.metadata[k] for k in BOUNDS if k in f.metadata}  # the field's range (fields._f)
         s = _bounded(s, {**rng, **CONSTRAINTS.get(key, {})})
+        if "enum" in s and f.metadata.get("unsupported"):  # choices the validator always refuses (fp16)
+            s["enum"] = [c for c in s["enum"] if c not in f.metadata["unsupported"]]
         if f.metadata.get("doc"):
             s["description"] = f.metadata["doc"]
         if prefix and f.name not in REQUIRED.get(prefix, ()):  # (a section's default: its fields' defaults)

@@ -48,6 +48,9 @@ class TrainConfig:
         "dtype, `model.dtype`) or `bf16` (bfloat16 compute over float32 weights, gradient reduction and "
         "optimizer state: autocast under ddp, FSDP2's MixedPrecisionPolicy under fsdp; log-probs, KL, "
         "advantages and losses stay float32). `fp16` is refused (it needs a loss scaler). See docs/scaling.md.",
+        unsupported={"fp16": "float16 training needs a dynamic loss scaler, which rallyrl does not implement (it "
+                             "could not be tested here: CPU autocast has no float16 and no GPU was lent). Use bf16, "
+                             "which needs no scaler"},
     )
     overwrite: bool = _f(
         False, "Start a fresh run in a `run_dir` that holds an earlier run, deleting its outputs."

@@ -24,17 +24,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"eval.samples_per_prompt={cfg.eval.samples_per_prompt} needs eval.do_sample: true "
                           f"(greedy decoding would give the same completion {cfg.eval.samples_per_prompt} times)")
     _check_estimator(cfg)
-    if cfg.train.mixed_precision == "fp16":
-        raise ConfigError("train.mixed_precision=fp16 is not supported: float16 training needs a dynamic loss "
-                          "scaler, which rallyrl does not implement (it could not be tested here: CPU autocast "
-                          "has no float16 and no GPU was lent). Use bf16, which needs no scaler")
     _check_model(cfg)
     _check_reward(cfg.reward)
 
 
 def _check_ranges(node: Any, prefix: str) -> None:
-    """Every field's declared range (``gt``/``ge``/``lt``/``le`` in its metadata), sections and the
-    entries of lists of sections (``reward.fns[i]``) included; null (an unset optional) is not checked."""
+    """Every field's declared range (``gt``/``ge``/``lt``/``le`` in its metadata) and unsupported choices,
+    sections and the entries of lists of sections (``reward.fns[i]``) included; null (an unset optional) is
+    not checked."""
     for f in dataclasses.fields(node):
         key, v = f"{prefix}.{f.name}" if prefix else f.name, getattr(node, f.name)
         if dataclasses.is_dataclass(v):
@@ -46,6 +43,8 @@ def _check_ranges(node: Any, prefix: str) -> None:
         elif (b := bounds(f)) and v is not None and not in_range(v, b):
             why = f.metadata.get("why")
             raise ConfigError(f"{key} must be {range_text(b)}, got {v}" + (f": {why}" if why else ""))
+        elif isinstance(v, str) and v in f.metadata.get("unsupported", {}):
+            raise ConfigError(f"{key}={v} is not supported: {f.metadata['unsupported'][v]}")
 
 
 def _check_estimator(cfg: Config) -> None:
