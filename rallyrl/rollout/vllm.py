@@ -220,16 +220,18 @@ def _build_llm(policy: Any, model_path: str, v: Any, dtype: str, logprobs_mode: 
 def hf_weights(lm: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The LM's weights in Hugging Face names (what ``save_pretrained`` writes); a PEFT LoRA model's
     merged, W + delta(A, B), computed beside the trained tensors (nothing is merged in place)."""
-    # Parameters only: buffers of LMs are derived (rotary frequencies), and vLLM computes its own.
+    # Parameters only: buffers of LMs are derived (rotary frequencies), and vLLM computes its own. A tied
+    # parameter under each of its names: vLLM's in-place reload restores a layer that received nothing
+    # (a tied LM head) from its pre-push tensors, which would undo the embedding's new values (GPT-2).
     base = lm.get_base_model() if hasattr(lm, "get_base_model") and hasattr(lm, "peft_config") else None
     if base is None:
-        for name, t in lm.named_parameters():
+        for name, t in lm.named_parameters(remove_duplicate=False):
             yield name, t.detach()
         return
     adapter = lm.active_adapter
     deltas = {f"{name}.weight": m for name, m in base.named_modules()
               if hasattr(m, "get_delta_weight") and adapter in getattr(m, "lora_A", {})}
-    for name, t in base.named_parameters():
+    for name, t in base.named_parameters(remove_duplicate=False):
         if ".lora_" in name:
             continue
         clean = name.replace(".base_layer.", ".")
