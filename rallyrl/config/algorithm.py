@@ -189,13 +189,17 @@ class PPOConfig:
         "Correction of the policy-gradient term for the difference between the engine that sampled "
         "(`generation.engine: vllm`) and the trainer's log-probs of the same weights, per action token with "
         "ratio r = exp(trainer - engine log-prob): `none`; `tis` (weight min(r, `engine_correction_cap`), "
-        "truncated importance sampling); `mask` (weight 0 where r leaves `engine_correction_bounds`, per token or "
+        "truncated importance sampling); `mask` (weight 0 where r leaves [`engine_correction_low`, `engine_correction_high`], per token or "
         "per sequence: `engine_correction_level`). Needs `rollout.logprobs_from: forward`. docs/engines.md.",
     )
     engine_correction_cap: float = _f(2.0, "`tis`: the cap C of the weight min(r, C) (veRL's default 2.0).", gt=0)
-    engine_correction_bounds: list[float] = _f(
-        [0.5, 2.0], "`mask`: [low, high] with 0 <= low < 1 < high; a token (or sequence) whose ratio is outside "
-                    "is left out of the policy-gradient term (weight 0).",
+    engine_correction_low: float = _f(
+        0.5, "`mask`: a token (or sequence) whose ratio is below this is left out of the policy-gradient term "
+             "(weight 0).", ge=0, lt=1,
+    )
+    engine_correction_high: float = _f(
+        2.0, "`mask`: a token (or sequence) whose ratio is above this is left out of the policy-gradient term.",
+        gt=1,
     )
     engine_correction_level: Literal["token", "sequence"] = _f(
         "token",

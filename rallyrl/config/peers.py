@@ -166,7 +166,8 @@ PEER_OPTIONS: tuple[PeerOption, ...] = (
     PeerOption("is_correction_enable", "OpenRLHF", "ppo.engine_correction"),
     PeerOption("is_correction_type", "OpenRLHF", "ppo.engine_correction",
                "`tis` = `tis`; `icepop` = `mask`; `seq-mask-tis` has no single equivalent"),
-    PeerOption("is_correction_threshold", "OpenRLHF", "ppo.engine_correction_bounds"),
+    PeerOption("is_correction_threshold", "OpenRLHF", "ppo.engine_correction_low",
+               "[low, high]: `ppo.engine_correction_low` / `ppo.engine_correction_high` (`mask`), or the cap (`tis`)"),
 )
 # fmt: on
 

@@ -30,7 +30,6 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "reward.fns[].fn": {"minLength": 1},
     "reward.url": {"minItems": 1},  # (minItems only binds the list arm of `str | list[str]`)
     "model.lora.target_modules": {"minItems": 1},
-    "ppo.engine_correction_bounds": {"minItems": 2, "maxItems": 2},
 }
 REQUIRED = {"reward.fns[]": ["fn"]}
 

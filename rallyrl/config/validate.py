@@ -52,9 +52,6 @@ def _check_ranges(node: Any, prefix: str) -> None:
 def _check_engine(cfg: Config) -> None:
     """``generation.engine`` with ``ppo.engine_correction`` and ``rollout.logprobs_from`` (docs/engines.md)."""
     g, p = cfg.generation, cfg.ppo
-    b = p.engine_correction_bounds
-    if len(b) != 2 or not 0 <= b[0] < 1 < b[1]:
-        raise ConfigError(f"ppo.engine_correction_bounds must be [low, high] with 0 <= low < 1 < high, got {b}")
     if g.engine == "hf":
         if p.engine_correction != "none":
             raise ConfigError(f"ppo.engine_correction={p.engine_correction!r} corrects for a separate engine "

@@ -26,7 +26,7 @@ def engine_correction(ro: Rollouts, adv: Advantages, ppo: PPOConfig,
     m = ro.action_mask
     sums = ops.engine_mismatch_sums(ro.logprobs, ro.engine_logprobs, m, BAND)
     w = ops.engine_weights(ro.logprobs, ro.engine_logprobs, m, ppo.engine_correction, ppo.engine_correction_cap,
-                           tuple(ppo.engine_correction_bounds), ppo.engine_correction_level)  # (B, T)
+                           (ppo.engine_correction_low, ppo.engine_correction_high), ppo.engine_correction_level)  # (B, T)
     lag = max((policy_version - v for v in ro.versions), default=0)
     total = dist.reduce_stats({"tokens": sums["tokens"], "abs": sums["abs_diff_sum"], "outside": sums["outside"],
                                "w": float(w.sum()), "zero": float(((w == 0) & m).sum())})

@@ -28,7 +28,8 @@ def test_defaults_are_the_hf_engine_and_no_correction():
      "top_p"),
     ({"generation": {"vllm": {"memory_fraction": 1.5}}}, "generation.vllm.memory_fraction"),
     ({"generation": {"vllm": {"probe_tolerance": 0}}}, "generation.vllm.probe_tolerance"),
-    ({"ppo": {"engine_correction_bounds": [1.2, 2.0]}}, "ppo.engine_correction_bounds"),
+    ({"ppo": {"engine_correction_low": 1.2}}, "ppo.engine_correction_low"),
+    ({"ppo": {"engine_correction_high": 1.0}}, "ppo.engine_correction_high"),
     ({"generation": {"vllm": {"dtype": "fp8"}}}, "generation.vllm.dtype"),
     ({"generation": {"engine": "sglang"}}, "generation.engine"),
 ])
