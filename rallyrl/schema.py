@@ -34,7 +34,7 @@ RANGES: dict[str, dict[str, Any]] = {
         "ppo.clip_range", "ppo.clip_range_value", "ppo.target_kl", "ppo.kl_horizon", "ppo.reward_clip",
         "reward.batch_size", "reward.timeout_s", "checkpoint.keep_last", "dist.timeout_s",
         "model.num_layers_unfrozen", "model.lora.r", "model.lora.alpha", "rollout.samples_per_prompt",
-        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt")},
+        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt", "data.max_prompt_tokens")},
     **{k: _GE0 for k in (
         "generation.top_k", "train.iterations", "eval.interval", "train.num_threads", "ppo.warmup_steps",
         "ppo.init_kl_coef", "ppo.max_nonfinite_skips", "checkpoint.interval", "reward.retries")},
