@@ -1,0 +1,21 @@
+"""Prompt loading and the shared prompt order.
+
+A prompt record is a dict with a ``"prompt"`` and any number of metadata columns; the metadata reaches
+the reward function as per-sample lists aligned with the samples. The prompt is a string, or a
+conversation: a list of chat messages (``[{"role": "user", "content": ...}, ...]``), which
+``rallyrl.inputs`` renders with the tokenizer's chat template (it needs the tokenizer, loading does not).
+
+Prompts live in one store, a ``PromptTable`` read by global row index (``open_prompts``). An inline list
+is small by nature and stays a list of Python records, checked up front. Every file or data set goes
+through ``datasets``: an Arrow table, memory-mapped from the datasets cache (the conversion of a file
+happens once, under datasets' lock, and every rank on a node maps the same cache file), so no rank holds
+Python objects for the whole data set. ``datasets`` is imported only when such a source is used.
+"""
+
+from .records import MESSAGES_KEY, DataError, check_messages, load_prompts
+from .sampler import PromptSampler
+from .sources import FILE_SUFFIXES, open_prompts
+from .tables import ArrowTable, ListTable, PromptTable
+
+__all__ = ["FILE_SUFFIXES", "MESSAGES_KEY", "ArrowTable", "DataError", "ListTable", "PromptSampler", "PromptTable",
+           "check_messages", "load_prompts", "open_prompts"]
