@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import BatchPlan, Config, ConfigError, make_batch_plan
-from .data import MESSAGES_KEY, DataError, ListTable, PromptTable, check_messages, open_prompts
+from .data import MESSAGES_KEY, DataError, ListTable, PromptSource, PromptTable, check_messages, open_prompts
 from .models import ModelLoadError, check_model_folder, load_tokenizer, max_positions
 from .reward.loading import load_callable, resolve_reward_fns
 from .reward.step import NamedRewardFn
@@ -130,12 +130,13 @@ def prepare_inputs(
     world_size: int,
     reward_fn: Any = None,
     metric_fn: MetricFn | None = None,
-    prompts: Sequence[Any] | str | None = None,
-    eval_prompts: Sequence[Any] | str | None = None,
+    prompts: PromptSource | None = None,
+    eval_prompts: PromptSource | None = None,
 ) -> Inputs:
     """Everything checkable without weights, in the order a user fixes things: config arithmetic, data,
-    reward/metric imports, then the model folder and tokenizer. Raises the user-facing error types
-    (``ConfigError``, ``DataError``, ``ImportPathError``, ``ModelLoadError``)."""
+    reward/metric imports, then the model folder and tokenizer. ``prompts`` / ``eval_prompts`` (the Python
+    API's) take what ``data.prompts`` takes, or a ``datasets.Dataset`` / ``DatasetDict``. Raises the
+    user-facing error types (``ConfigError``, ``DataError``, ``ImportPathError``, ``ModelLoadError``)."""
     plan = make_batch_plan(cfg, world_size)
     d = cfg.data
     if prompts is not None:

@@ -14,8 +14,8 @@ Python objects for the whole data set. ``datasets`` is imported only when such a
 
 from .records import MESSAGES_KEY, DataError, check_messages, load_prompts
 from .sampler import PromptSampler
-from .sources import FILE_SUFFIXES, open_prompts
+from .sources import FILE_SUFFIXES, PromptSource, open_prompts
 from .tables import ArrowTable, ListTable, PromptTable
 
-__all__ = ["FILE_SUFFIXES", "MESSAGES_KEY", "ArrowTable", "DataError", "ListTable", "PromptSampler", "PromptTable",
-           "check_messages", "load_prompts", "open_prompts"]
+__all__ = ["FILE_SUFFIXES", "MESSAGES_KEY", "ArrowTable", "DataError", "ListTable", "PromptSampler", "PromptSource",
+           "PromptTable", "check_messages", "load_prompts", "open_prompts"]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
@@ -19,7 +20,18 @@ from .tables import ListTable, PromptTable, arrow_table
 FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 
 
-def open_prompts(source: str | Path | list[Any], what: str = "data.prompts", prompt_column: str = "prompt",
+if TYPE_CHECKING:  # only for the type hint: datasets is imported when a file or data set is used
+    import datasets
+
+# What ``train(prompts=..., eval_prompts=...)`` takes (``data.prompts`` in a config: a path, a name or a list).
+PromptSource = Union[str, "os.PathLike[str]", Sequence[Any], "datasets.Dataset", "datasets.DatasetDict"]
+
+# What data.prompts / data.eval_prompts / train(prompts=...) accept, for the message that refuses anything else.
+ACCEPTED = ("a path (a .jsonl, .json, .csv, .parquet or .txt file, or a folder written by datasets' save_to_disk), "
+            "a data set name, a list of prompts, or a datasets.Dataset / DatasetDict")
+
+
+def open_prompts(source: PromptSource, what: str = "data.prompts", prompt_column: str = "prompt",
                  split: str = "train", subset: str | None = None) -> PromptTable:
     """The prompt store of ``data.prompts`` / ``data.eval_prompts`` (``what`` names it in errors); the
     Python API may also pass a ``datasets.Dataset`` / ``DatasetDict``.
@@ -27,26 +39,19 @@ def open_prompts(source: str | Path | list[Any], what: str = "data.prompts", pro
     An inline list: Python records, every row checked now (``load_prompts``). A file (``.jsonl``,
     ``.json`` holding a list of objects, ``.csv``, ``.parquet``, ``.txt``), a folder written by
     ``save_to_disk`` (a ``DatasetDict``: its ``split``) or a data set name for ``datasets.load_dataset``
-    (``subset``, ``split``): an Arrow table, with what is cheap checked now (the prompt column exists and
-    holds strings or chat messages, no row lacks a prompt, the file parses and is UTF-8); what needs the
-    tokenizer is checked when a row is drawn. A ``.jsonl``/``.txt`` has the rows it had before (blank
-    lines skipped), so the shared prompt order is unchanged."""
+    (``subset``, ``split``): an Arrow table, with what is cheap checked now (rows exist, the prompt column
+    exists and holds strings or chat messages, no row lacks a prompt, the file parses and is UTF-8); what
+    needs the tokenizer is checked when a row is drawn. A ``.jsonl``/``.txt`` has the rows it had before
+    (blank lines skipped), so the shared prompt order is unchanged. A source with no rows is a
+    ``DataError`` saying "no prompts in ..." (or naming the empty split or column)."""
     if isinstance(source, list):
         return ListTable(load_prompts(source, what, prompt_column), what)
-    if type(source).__module__.split(".")[0] == "datasets":  # train(prompts=Dataset or DatasetDict), as in TRL
-        ds_mod = _datasets()
-        if isinstance(source, ds_mod.DatasetDict):
-            if split not in source:
-                key = "data.eval_split" if "eval" in what else "data.split"
-                raise DataError(f"{what}: the DatasetDict has no split '{split}' (it has {sorted(source)}); set {key}")
-            source = source[split]
-        if isinstance(source, ds_mod.Dataset):
-            return arrow_table(source, what, "the Dataset", prompt_column)
     if not isinstance(source, (str, Path)):
-        raise DataError(f"{what}: expected a path, a data set name or a list, got {type(source).__name__}")
+        return _open_object(source, what, prompt_column, split)
     path = Path(source).expanduser()
     if path.is_dir():
-        return arrow_table(_load_from_disk(path, split, what), what, str(path), prompt_column)
+        ds, where = _load_from_disk(path, split, what)
+        return arrow_table(ds, what, where, prompt_column)
     suffix = path.suffix.lower()
     if path.is_file():
         if suffix in (".jsonl", ".txt"):
@@ -54,11 +59,39 @@ def open_prompts(source: str | Path | list[Any], what: str = "data.prompts", pro
         if suffix not in FILE_SUFFIXES:
             raise DataError(f"{what}: {path} must be a .jsonl, .json, .csv, .parquet or .txt file, a folder "
                             f"written by datasets' save_to_disk, or a data set name")
+        if path.stat().st_size == 0:  # what datasets would say ("BatchSize", "no data") names no cause
+            raise DataError(f"{what}: no prompts in {path} (the file is empty)")
         return arrow_table(_convert(path, suffix, what), what, str(path), prompt_column)
     s = str(source)
     if suffix in FILE_SUFFIXES or s.startswith((".", "/", "~")) or os.sep + os.sep in s or s.count("/") > 1:
         raise DataError(f"{what}: file not found: {path}")
     return arrow_table(_load_hub(s, subset, split, what), what, s, prompt_column)
+
+
+def _open_object(source: Any, what: str, prompt_column: str, split: str) -> PromptTable:
+    """``train(prompts=...)`` given an object: a ``datasets.Dataset`` or ``DatasetDict`` (as TRL takes
+    them); a streaming data set, a pandas DataFrame or anything else is refused saying what is accepted."""
+    kind = type(source).__name__
+    if type(source).__module__.split(".")[0] == "datasets":
+        ds_mod = _datasets()
+        if isinstance(source, ds_mod.DatasetDict):
+            if not source:
+                raise DataError(f"{what}: no prompts in the DatasetDict (it has no splits)")
+            if split not in source:
+                key = "data.eval_split" if "eval" in what else "data.split"
+                raise DataError(f"{what}: the DatasetDict has no split '{split}' (it has {sorted(source)}); set {key}")
+            return arrow_table(source[split], what, f"split '{split}' of the DatasetDict", prompt_column)
+        if isinstance(source, ds_mod.Dataset):
+            return arrow_table(source, what, "the Dataset", prompt_column)
+        if isinstance(source, (ds_mod.IterableDataset, ds_mod.IterableDatasetDict)):
+            raise DataError(f"{what}: got a datasets.{kind} (a streaming data set), which has no rows by index; "
+                            f"rallyrl draws prompts by row index (the shared prompt order, resumed exactly), so "
+                            f"pass a datasets.Dataset instead (load_dataset(..., streaming=False), or "
+                            f"Dataset.from_generator). Accepted: {ACCEPTED}")
+    if type(source).__module__.split(".")[0] == "pandas" and kind == "DataFrame":
+        raise DataError(f"{what}: got a pandas DataFrame; pass datasets.Dataset.from_pandas(df) (or "
+                        f"df.to_dict('records')). Accepted: {ACCEPTED}")
+    raise DataError(f"{what}: expected {ACCEPTED}, got {kind}")
 
 
 def _datasets() -> Any:
@@ -106,13 +139,37 @@ def _convert(path: Path, suffix: str, what: str) -> Any:
 
 def _conversion_error(path: Path, suffix: str, what: str, e: Exception) -> DataError:
     """Name what is wrong with a file datasets could not convert: re-read here, on the error path only."""
-    if suffix != ".parquet":
-        read_text(path, what + ":", DataError)  # non-UTF-8: the byte offset
+    if suffix == ".parquet":
+        return _empty_parquet(path, what) or _cannot_read(path, suffix, what, e)
+    text = read_text(path, what + ":", DataError)  # non-UTF-8: the byte offset
     if suffix == ".json":
         try:
-            json.loads(read_text(path, what + ":", DataError))
+            data = json.loads(text)
         except json.JSONDecodeError as je:
             return DataError(f"{what}: {path}:{je.lineno} is not valid JSON: {je}")
+        if data in ([], {}):  # datasets: 'Instruction "train" corresponds to no data!'
+            return DataError(f"{what}: no prompts in {path} (it holds {json.dumps(data)})")
+    if suffix == ".csv":
+        import csv
+        import io
+
+        if sum(1 for row in csv.reader(io.StringIO(text)) if any(c.strip() for c in row)) <= 1:
+            return DataError(f"{what}: no prompts in {path} (a header row only)")
+    return _cannot_read(path, suffix, what, e)
+
+
+def _empty_parquet(path: Path, what: str) -> DataError | None:
+    """A ``.parquet`` with no rows (datasets: "BatchSize must be greater than 0"); None otherwise."""
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.ParquetFile(str(path)).metadata.num_rows
+    except Exception:  # not a parquet file at all: the conversion's own error says so
+        return None
+    return DataError(f"{what}: no prompts in {path} (0 rows)") if rows == 0 else None
+
+
+def _cannot_read(path: Path, suffix: str, what: str, e: Exception) -> DataError:
     cause = e.__cause__ or e
     return DataError(f"{what}: {path} could not be read as a {suffix[1:]} table: {type(cause).__name__}: {cause}"
                      + ("; a .json file must hold a list of objects" if suffix == ".json" else ""))
@@ -139,19 +196,45 @@ def _non_blank_rows(ds: Any) -> np.ndarray | None:
     return None if mask.all() else np.flatnonzero(mask)
 
 
-def _load_from_disk(path: Path, split: str, what: str) -> Any:
+def _load_from_disk(path: Path, split: str, what: str) -> tuple[Any, str]:
+    """A ``save_to_disk`` folder: the ``Dataset``, or the ``split`` of a ``DatasetDict`` (only that split is
+    read, so another split being empty or broken does not matter), and how messages name it."""
     ds_mod = _datasets()
+    where, folder = str(path), path
+    if not any(path.iterdir()):
+        raise DataError(f"{what}: no prompts in {path} (an empty folder)")
+    splits_file = path / "dataset_dict.json"  # what DatasetDict.save_to_disk writes beside its split folders
+    if splits_file.is_file():
+        try:
+            splits = list(json.loads(splits_file.read_text())["splits"])
+        except (ValueError, KeyError, TypeError, OSError):
+            splits = None  # not datasets' file after all: load_from_disk below says what is wrong
+        if splits is not None:
+            if split not in splits:
+                key = "data.eval_split" if "eval" in what else "data.split"
+                raise DataError(f"{what}: {path} has no split '{split}' (it has {sorted(splits)}); set {key}")
+            where, folder = f"split '{split}' of {path}", path / split
+    if _saved_without_rows(folder):  # datasets itself fails on it with an IndexError
+        raise DataError(f"{what}: no prompts in {where}")
     try:
-        ds = ds_mod.load_from_disk(str(path))
+        ds = ds_mod.load_from_disk(str(folder))
     except Exception as e:
         raise DataError(f"{what}: {path} is a folder, but not one written by datasets' save_to_disk "
                         f"({type(e).__name__}: {e})") from None
-    if isinstance(ds, ds_mod.DatasetDict):
+    if isinstance(ds, ds_mod.DatasetDict):  # not reached for datasets' own layout; kept for safety
         if split not in ds:
             key = "data.eval_split" if "eval" in what else "data.split"
             raise DataError(f"{what}: {path} has no split '{split}' (it has {sorted(ds)}); set {key}")
-        ds = ds[split]
-    return ds
+        ds, where = ds[split], f"split '{split}' of {path}"
+    return ds, where
+
+
+def _saved_without_rows(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``Dataset`` saved by ``save_to_disk`` with no rows (no data files)."""
+    try:
+        return json.loads((folder / "state.json").read_text()).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _load_hub(name: str, subset: str | None, split: str, what: str) -> Any:
@@ -169,4 +252,6 @@ def _load_hub(name: str, subset: str | None, split: str, what: str) -> Any:
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. {hint}") from None
     if not isinstance(ds, ds_mod.Dataset):  # an iterable (streaming) data set has no rows by index
         raise DataError(f"{what}: '{name}' did not load as a Dataset with rows by index ({type(ds).__name__})")
+    if not len(ds):
+        raise DataError(f"{what}: no prompts in split '{split}' of {name}")
     return ds

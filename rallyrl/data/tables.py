@@ -139,6 +139,8 @@ def arrow_table(ds: Any, what: str, where: str, prompt_column: str, row_map: np.
     """Check what is cheap on the Arrow table (the schema and the prompt column's nulls) and wrap it."""
     import pyarrow.compute as pc
 
+    if not len(ds):  # before the column checks: an empty table's columns may have no type at all
+        raise DataError(f"{what}: no prompts in {where}")
     cols = list(ds.column_names)
     if prompt_column not in cols:
         raise DataError(f"{what}: {where} has no '{prompt_column}' column (its columns: {cols}); set "
@@ -149,13 +151,15 @@ def arrow_table(ds: Any, what: str, where: str, prompt_column: str, row_map: np.
                             f"'{prompt_column}'; rallyrl renames '{prompt_column}' to 'prompt', so rename one")
         ds = ds.rename_column(prompt_column, "prompt")
     chat = _is_chat_feature(ds.features["prompt"])
+    column = ds.data.column("prompt")
+    if column.null_count == len(column):  # typed null, or float64 by a csv reader: say it is empty
+        raise DataError(f"{what}: {where}: column '{prompt_column}' is empty (null in every row)")
     if chat is None:
         raise DataError(f"{what}: {where}: column '{prompt_column}' holds {ds.features['prompt']}, not strings or "
                         f"lists of chat messages ({{'role', 'content'}} objects)")
     if chat and MESSAGES_KEY in cols:
         raise DataError(f"{what}: {where} has a '{MESSAGES_KEY}' column, a name rallyrl uses for the messages "
                         f"of a conversational prompt; rename the column")
-    column = ds.data.column("prompt")
     if chat:
         _check_message_structs(column, ds, row_map, what, where)
     if column.null_count:  # a row without a prompt: name the first (as the user counts rows)
