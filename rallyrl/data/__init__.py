@@ -12,10 +12,13 @@ happens once, under datasets' lock, and every rank on a node maps the same cache
 Python objects for the whole data set. ``datasets`` is imported only when such a source is used.
 """
 
+from .prompt_set import PromptSet
 from .records import MESSAGES_KEY, DataError, check_messages, load_prompts
+from .render import LONG_PROMPTS, PromptLimit, render_prompts, tokenize_prompts
 from .sampler import PromptSampler
 from .sources import FILE_SUFFIXES, PromptSource, open_prompts
 from .tables import ArrowTable, ListTable, PromptTable
 
-__all__ = ["FILE_SUFFIXES", "MESSAGES_KEY", "ArrowTable", "DataError", "ListTable", "PromptSampler", "PromptSource",
-           "PromptTable", "check_messages", "load_prompts", "open_prompts"]
+__all__ = ["FILE_SUFFIXES", "LONG_PROMPTS", "MESSAGES_KEY", "ArrowTable", "DataError", "ListTable", "PromptLimit",
+           "PromptSampler", "PromptSet", "PromptSource", "PromptTable", "check_messages", "load_prompts",
+           "open_prompts", "render_prompts", "tokenize_prompts"]

@@ -131,6 +131,7 @@ def test_empty_data_stops_before_the_model_is_looked_at(tmp_path):
     pq.write_table(_string_table([]), tmp_path / "eval.parquet")
     cfg = load_config({"model": {"path": str(tmp_path / "no-model")}, "train": {"run_dir": str(tmp_path / "run")},
                        "data": {"prompts": ["the cat"], "eval_prompts": str(tmp_path / "eval.parquet")},
-                       "rollout": {"num_rollouts": 2, "chunk_size": 2}, "reward": {"fn": "tests.helpers.rewards:hashed"}})
+                       "rollout": {"num_rollouts": 2, "chunk_size": 2},
+                       "reward": {"fn": "tests.helpers.rewards:hashed"}})
     with pytest.raises(DataError, match=r"^data.eval_prompts: no prompts in .*eval.parquet \(0 rows\)$"):
         prepare_inputs(cfg, 1)
