@@ -7,6 +7,7 @@ fails the test (both are patched to raise).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -195,6 +196,16 @@ def test_eval_prompt_longer_than_the_model_allows(capsys, write_cfg, run_dir, sh
                                                              "long_prompts": "error"})
     assert_user_error(*cli(capsys, "train", str(path)), "data.eval_prompts", "prompt 0", "16 positions")
     assert not run_dir.exists()
+
+
+def test_check_reports_long_prompts_that_a_run_would_skip(capsys, write_cfg, short_model):
+    long = "the cat sat on the mat " * 4
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the", long, "a dog"]})
+    assert main(["check", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("# prompts:"))
+    assert re.fullmatch(r"# prompts: 3 training \(longest \d+ tokens; 1 longer than 12 tokens \(the model's 16 "
+                        r"positions minus generation.max_new_tokens=4\), first prompt 1: skipped when drawn "
+                        r"\(data.long_prompts: skip\)\), 0 eval", line), line
 
 
 def test_every_prompt_too_long_to_skip(capsys, write_cfg, run_dir, short_model):
