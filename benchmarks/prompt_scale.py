@@ -15,9 +15,10 @@ For each size and format, a 1-iteration ``rallyrl train --nproc 2`` on a tiny GP
 it. ``--long-prompts error`` (issue 28) runs with ``data.long_prompts: error``, which checks the length of
 every prompt at start: ``first`` then also builds the length index (cached beside the Arrow file, so the
 empty cache removes it too) and ``cached`` reads it; ``--long-prompts skip error`` measures both in one
-invocation, the default (skip, no start-up check) being the baseline.
-``--code DIR`` runs another checkout of rallyrl (e.g. the one before this change: only the formats
-it reads, and there is no cache then, so one phase). Run from the repository root::
+invocation, the default (skip, no start-up check) being the baseline. ``--index`` measures that start-up
+check alone (open + length index, in a fresh process, no model), the figure least disturbed by a shared
+machine's load. ``--code DIR`` runs another checkout of rallyrl (e.g. the one before this change: only the
+formats it reads, and there is no cache then, so one phase). Run from the repository root::
 
     HF_DATASETS_OFFLINE=1 .venv/bin/python -m benchmarks.prompt_scale --sizes 10000 100000 1000000 \\
         --formats jsonl parquet --out benchmarks/results/prompt_scale.json
@@ -162,6 +163,35 @@ def _measured_s(out: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+INDEX_PROBE = """
+import json, sys, time
+from transformers import AutoTokenizer
+from rallyrl.data import PromptLimit, PromptSet, open_prompts
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+t0 = time.perf_counter()
+table = open_prompts(sys.argv[2])
+t1 = time.perf_counter()
+PromptSet.of(table, tok, 128, 4, "data.prompts", limit=PromptLimit.of(None, "error", 128, 4)).check_lengths()
+print(json.dumps({"open_s": t1 - t0, "check_s": time.perf_counter() - t1}))
+"""
+
+
+def index_once(work: Path, data: Path) -> dict:
+    """``data.long_prompts: error``'s start-up check alone, in a fresh process: opening the prompts and
+    ``PromptSet.check_lengths`` (building the length index, or reading it), without the model loading and
+    process start-up that make the whole-run figures noisy on a shared machine."""
+    from rallyrl.testing import build_tiny_gpt2
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        build_tiny_gpt2(model, n_layer=1, n_embd=32)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", HF_DATASETS_CACHE=str(work / "hf_cache"), PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", INDEX_PROBE, str(model), str(data)], env=env, capture_output=True,
+                       text=True, check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def table(rows: list[dict]) -> str:
     """The docs/data.md table: one line per (code, format, phase, size)."""
     out = ["| code | format | long_prompts | phase | prompts | start-up (s) | length index built (s) | "
@@ -189,6 +219,8 @@ def main() -> None:
     ap.add_argument("--label", default="after")
     ap.add_argument("--long-prompts", nargs="+", default=[None], choices=["skip", "truncate_left", "error"],
                     help="data.long_prompts of the runs (default: the config's default); several: each in turn")
+    ap.add_argument("--index", action="store_true",
+                    help="measure only data.long_prompts: error's start-up check (open + length index), per phase")
     ap.add_argument("--work", type=Path, default=Path("/tmp/rallyrl_prompt_scale"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--table", type=Path, nargs="+", help="print the markdown table of these result files")
@@ -202,6 +234,15 @@ def main() -> None:
         print(json.dumps(measure(spec["cmd"], spec["env"], Path(spec["cwd"]))))
         return
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.index:
+        for fmt, n, phase in [(f, n, p) for f in args.formats for n in args.sizes for p in args.phases]:
+            data = make_file(args.work, n, fmt)
+            if phase == "first":
+                shutil.rmtree(args.work / "hf_cache", ignore_errors=True)
+            load = os.getloadavg()[0]
+            print(json.dumps({"format": fmt, "prompts": n, "phase": phase, "load_1m": load,
+                              **index_once(args.work, data)}), flush=True)
+        return
     rows = []
     for fmt, n, mode, phase in [(f, n, m, p) for f in args.formats for n in args.sizes for m in args.long_prompts
                                 for p in args.phases]:
