@@ -12,7 +12,7 @@ Every failure ends in one line on stderr and an exit code (``docs/troubleshootin
 - Ctrl-C exits 130 without a traceback; the trainer says where it stopped. SIGTERM and SIGUSR1 (a job
   scheduler's pre-emption) let every rank finish the iteration and write a checkpoint, then exit 143
   (``checkpoint.on_signal``; without it SIGTERM stops at once, also 143);
-- a second job on a run directory in use exits 2 at once, naming the holder (``tracking.RunDirLock``).
+- a second job on a run directory in use exits 2 at once, naming the holder (``run.lock.RunDirLock``).
 
 ``RALLYRL_DEBUG=1`` adds the tracebacks. ``rallyrl train CONFIG --nproc N`` checks the whole config for
 N processes in this process, then starts N workers (``rallyrl.launch``); the same ``rallyrl.cli train``
@@ -89,7 +89,8 @@ def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _train_main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .tracking import RunDir, holding_run_dir_locks
+    from .run.lock import holding_run_dir_locks
+    from .run.rundir import RunDir
 
     cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
     graceful = cfg.checkpoint.on_signal
@@ -157,7 +158,7 @@ def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True, l
     created."""
     from pathlib import Path
 
-    from .tracking import RunDir
+    from .run.rundir import RunDir
 
     if run_dir and lock:
         RunDir.lock(Path(cfg.train.run_dir), cfg, create=False)  # a job already there: refused at once
@@ -174,7 +175,7 @@ def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True, l
         import io
         import warnings
 
-        from .checkpoint import resolve_resume
+        from .run.checkpoint import resolve_resume
 
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO() if quiet else sys.stdout):
             if quiet:
@@ -237,7 +238,7 @@ def _check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _check_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from .tracking import holding_run_dir_locks
+    from .run.lock import holding_run_dir_locks
 
     with holding_run_dir_locks():  # a run in progress there is refused, as for a second `train`
         inp = preflight(cfg, args.nproc, lock=True, dry_run=True)

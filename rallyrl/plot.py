@@ -24,12 +24,13 @@ matplotlib (the ``plot`` extra) is imported only when plotting, with no GUI back
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .run.logs import JsonlError, iter_jsonl
 
 TIME_STAGES = ("time/generate", "time/forward", "time/reward", "time/reward_gather", "time/update", "time/eval")
 
@@ -64,18 +65,12 @@ def load_run(run_dir: str | Path) -> Run:
         if (path / "config.yaml").is_file():
             raise PlotError(f"{path}: no metrics.jsonl yet (the run has not logged an iteration)")
         raise PlotError(f"{path} is not a run directory (it has neither metrics.jsonl nor config.yaml)")
-    text = metrics.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    if text and not text.endswith("\n"):
-        lines = lines[:-1]  # a line still being written (a live or killed run): not a row yet
     by_step: dict[int, dict[str, Any]] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PlotError(f"{metrics}:{lineno} is not valid JSON: {e}") from None
+    try:  # a live or killed run's last line may be half-written: not a row yet
+        rows = list(iter_jsonl(metrics, complete_only=True))
+    except JsonlError as e:
+        raise PlotError(str(e)) from None
+    for lineno, row in rows:
         if not isinstance(row, dict):
             raise PlotError(f"{metrics}:{lineno} is not a JSON object")
         step = row.get("step")

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
 from . import dist, ops
 from .config import BatchPlan, Config, GenerationConfig, PPOConfig, load_config
 from .errors import NonFiniteError, raise_if_interrupted
@@ -39,9 +38,12 @@ from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, Samples, StepStats
 from .rollout import Advantages, Rollouts, Shard, generate, score_tokens
+from .run import checkpoint as ckpt
+from .run.console import RunLog, TrainResult
+from .run.lock import releases_run_dir_lock
+from .run.rundir import RunDir
 from .seeding import seed_everything, stream_seed
 from .state import Learner, TrainState
-from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .config import Config
+from ..config import Config
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MAX_LIST = 20  # a longer list in the config (inline prompts) is shown as its length

@@ -54,9 +54,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from . import dist
-from .errors import CheckpointError, writing
-from .seeding import get_rng_state, set_rng_state
+from .. import dist
+from ..errors import CheckpointError, writing
+from ..seeding import get_rng_state, set_rng_state
 
 FORMAT_VERSION = 1
 SHARDED_DIR = "sharded"  # model.sharding: fsdp: the DCP files (dist.save_sharded), one per rank
@@ -192,44 +192,6 @@ def save_checkpoint(
     the others in a barrier; nothing is renamed to ``step_<N>`` unless every file was written."""
     root = checkpoint_dir(run_dir)
     tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
-
-    def start() -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left over from a crash during an earlier save
-        tmp.mkdir()
-
-    sharded = dist.is_sharded()
-    param_groups: list[Any] = []
-
-    def save_shards() -> None:  # every rank: its shards of the weights and optimizer state
-        param_groups[:] = dist.save_sharded(str(tmp / SHARDED_DIR), policy, optimizer)
-        for f in (tmp / SHARDED_DIR).iterdir():
-            if f.name.startswith(f"shard-{dist.rank() + 1:05d}-"):
-                _fsync_file(f)
-
-    def finish() -> None:
-        if sharded:
-            _fsync_dir(tmp / SHARDED_DIR)
-            _save_split(tmp / "optimizer", {"param_groups": param_groups})
-        else:
-            save_model(policy, str(tmp / "policy.safetensors"))
-            _fsync_file(tmp / "policy.safetensors")
-            _save_split(tmp / "optimizer", optimizer.state_dict())
-        _write_json(tmp / "trainer_state.json", {**trainer_state, "world_size": dist.world_size(),
-                                                 "sharding": "fsdp" if sharded else "ddp",
-                                                 "format": FORMAT_VERSION})
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        manifest = {"format": FORMAT_VERSION, "step": step,
-                    "files": {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files}}
-        _write_json(tmp / "manifest.json", manifest)
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving a step (e.g. after a resume): replace atomically enough
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _prune(root, keep_last)
-
     what = f"saving checkpoint {final}"
 
     def io(fn: Any) -> Any:
@@ -239,13 +201,59 @@ def save_checkpoint(
                 return fn()
         return run
 
-    dist.agree(io(start), CheckpointError, main_only=True, what=what)
+    sharded = dist.is_sharded()
+    param_groups: list[Any] = []
+    dist.agree(io(lambda: _start(root, tmp)), CheckpointError, main_only=True, what=what)
     dist.agree(io(lambda: _save_split(tmp / f"rng_rank{dist.rank()}", rank_rng_state(shuffle_gen))),
                CheckpointError, what=what)
     if sharded:
-        dist.agree(io(save_shards), CheckpointError, what=what)
-    dist.agree(io(finish), CheckpointError, main_only=True, what=what)
+        dist.agree(io(lambda: param_groups.extend(_save_shards(tmp, policy, optimizer))), CheckpointError, what=what)
+    state = {**trainer_state, "world_size": dist.world_size(), "sharding": "fsdp" if sharded else "ddp",
+             "format": FORMAT_VERSION}
+    optimizer_state = (lambda: {"param_groups": param_groups}) if sharded else optimizer.state_dict
+    dist.agree(io(lambda: _finish(tmp, final, step, None if sharded else policy, optimizer_state, state, keep_last)),
+               CheckpointError, main_only=True, what=what)
     return final
+
+
+def _start(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left over from a crash during an earlier save
+    tmp.mkdir()
+
+
+def _save_shards(tmp: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Every rank: its shards of the weights and optimizer state; returns the optimizer's param groups."""
+    param_groups = dist.save_sharded(str(tmp / SHARDED_DIR), policy, optimizer)
+    for f in (tmp / SHARDED_DIR).iterdir():
+        if f.name.startswith(f"shard-{dist.rank() + 1:05d}-"):
+            _fsync_file(f)
+    return param_groups
+
+
+def _finish(tmp: Path, final: Path, step: int, policy: torch.nn.Module | None, optimizer_state: Any,
+            trainer_state: dict[str, Any], keep_last: int) -> None:
+    """Main rank: the weights (``policy``; None when sharded: they are in ``sharded/``), the optimizer
+    state, the trainer state and the manifest, then the rename to ``step_<N>`` and the pruning."""
+    if policy is None:
+        _fsync_dir(tmp / SHARDED_DIR)
+    else:
+        save_model(policy, str(tmp / "policy.safetensors"))
+        _fsync_file(tmp / "policy.safetensors")
+    _save_split(tmp / "optimizer", optimizer_state())
+    _write_json(tmp / "trainer_state.json", trainer_state)
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    manifest = {"format": FORMAT_VERSION, "step": step,
+                "files": {n: {"size": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in files}}
+    _write_json(tmp / "manifest.json", manifest)
+    _fsync_dir(tmp)
+    root = final.parent
+    if final.exists():  # re-saving a step (e.g. after a resume): replace atomically enough
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep_last)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 import rallyrl
-from rallyrl.checkpoint import CheckpointError, join_tensors, resolve_resume, split_tensors, verify_checkpoint
-from rallyrl.tracking import read_jsonl
+from rallyrl.errors import CheckpointError
+from rallyrl.run.checkpoint import join_tensors, resolve_resume, split_tensors, verify_checkpoint
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config, killed_run_copy
 
 pytestmark = pytest.mark.smoke
@@ -141,7 +142,7 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tiny
     path, the OS reason, the hint), exit 2, no traceback; step_1 stays the newest complete checkpoint."""
     from safetensors import SafetensorError
 
-    import rallyrl.checkpoint as ckpt
+    import rallyrl.run.checkpoint as ckpt
     from rallyrl.cli import main
     from tests.helpers.runs import write_config
 

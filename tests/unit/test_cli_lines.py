@@ -58,7 +58,7 @@ def test_user_errors_exit_2_runtime_errors_exit_1():
 
 
 def test_checkpoint_errors_are_user_errors_with_the_fix():
-    from rallyrl.checkpoint import CheckpointError
+    from rallyrl.errors import CheckpointError
 
     code, line = describe(CheckpointError("train.resume=latest: no checkpoint in runs/x/checkpoints"), _user_errors())
     assert code == 2

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from rallyrl.config import load_config
-from rallyrl.tracking import MANIFEST, RunDir, RunDirError
+from rallyrl.run.lock import RunDirError
+from rallyrl.run.rundir import MANIFEST, RunDir
 
 
 def _cfg(run_dir, **train):
@@ -155,3 +156,17 @@ def test_sampled_text_with_unicode_line_breaks_stays_one_line_and_survives_trunc
     assert len(lines) == 2 and [json.loads(x)["output"] for x in lines] == [odd, odd]
     rd.truncate_logs(1)
     assert [json.loads(x)["step"] for x in path.read_text(encoding="utf-8").splitlines()] == [1]
+
+
+def test_the_old_import_paths_keep_working():
+    """``rallyrl.tracking`` and ``rallyrl.checkpoint`` moved to ``rallyrl.run``; what users may have
+    imported from them is the same object there."""
+    import rallyrl.checkpoint as old_ckpt
+    import rallyrl.run.checkpoint as ckpt
+    import rallyrl.tracking as old
+    from rallyrl.run import console, lock, logs, rundir
+
+    assert old.RunDir is rundir.RunDir and old.RunLog is console.RunLog and old.TrainResult is console.TrainResult
+    assert old.read_jsonl is logs.read_jsonl and old.RunDirBusyError is lock.RunDirBusyError
+    assert old.releases_run_dir_lock is lock.releases_run_dir_lock and old.RunDirError is lock.RunDirError
+    assert old_ckpt.verify_checkpoint is ckpt.verify_checkpoint and old_ckpt.load_checkpoint is ckpt.load_checkpoint

@@ -1,4 +1,4 @@
-"""The run-directory lock (``tracking.RunDirLock``) in one process, with no model (ms). A flock belongs to
+"""The run-directory lock (``run.lock.RunDirLock``) in one process, with no model (ms). A flock belongs to
 an open file, so a second acquire in the same process conflicts exactly like a second job; the
 multi-process paths (the launcher's hand-over, a SIGKILLed holder) are in tests/dist/test_run_dir_lock.py."""
 
@@ -11,11 +11,11 @@ import socket
 
 import pytest
 
-from rallyrl import tracking
 from rallyrl.cli import main
 from rallyrl.config import load_config
-from rallyrl.tracking import LOCK_FD_ENV, LOCK_FILE, RunDir, RunDirBusyError, RunDirError, RunDirLock, \
-    holding_run_dir_locks
+from rallyrl.run import lock as run_lock
+from rallyrl.run.lock import LOCK_FD_ENV, LOCK_FILE, RunDirBusyError, RunDirError, RunDirLock, holding_run_dir_locks
+from rallyrl.run.rundir import RunDir
 
 
 def _cfg(run_dir, **train):
@@ -96,7 +96,7 @@ def test_a_lock_file_removed_between_open_and_flock_is_taken_again(tmp_path, mon
     lock on a file nobody else can see."""
     run = tmp_path / "run"
     run.mkdir()
-    real_flock, calls = tracking.fcntl.flock, []
+    real_flock, calls = run_lock.fcntl.flock, []
 
     def flock_after_unlink(fd, op):
         calls.append(op)
@@ -104,7 +104,7 @@ def test_a_lock_file_removed_between_open_and_flock_is_taken_again(tmp_path, mon
             (run / LOCK_FILE).unlink()  # the previous holder's release, right between open and flock
         return real_flock(fd, op)
 
-    monkeypatch.setattr(tracking.fcntl, "flock", flock_after_unlink)
+    monkeypatch.setattr(run_lock.fcntl, "flock", flock_after_unlink)
     lock = RunDirLock.acquire(run)
     assert len(calls) == 2 and os.path.samestat(os.fstat(lock.fd), os.stat(run / LOCK_FILE))
     lock.release()
@@ -115,7 +115,7 @@ def test_a_file_system_without_locks_is_a_clear_error(tmp_path, monkeypatch, cod
     def no_locks(fd, op):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(tracking.fcntl, "flock", no_locks)
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
     with pytest.raises(RunDirError, match=r"without working file locks .*train.lock_run_dir=false"):
         RunDirLock.acquire(tmp_path / "run")
 

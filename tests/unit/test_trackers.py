@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from rallyrl import trackers
 from rallyrl.config import ConfigError, load_config
 from rallyrl.errors import TrackerError
-from rallyrl.tracking import MANIFEST, RunDir
-from rallyrl import trackers
+from rallyrl.run.rundir import MANIFEST, RunDir
+from rallyrl.trackers.mlflow import Mlflow
+from rallyrl.trackers.tensorboard import TensorBoard
 from tests.helpers.runs import ROOT, env
 from tests.helpers.trackers import wandb_offline_run
 
@@ -127,7 +129,7 @@ def test_a_tracker_that_cannot_start_is_a_tracker_error_and_closes_the_files(tmp
     def boom(self, config):
         raise OSError("tracking server unreachable")
 
-    monkeypatch.setattr(trackers.Mlflow, "start", boom)
+    monkeypatch.setattr(Mlflow, "start", boom)
     cfg = _cfg(tmp_path, report_to=["mlflow"])
     rd = RunDir.check_start(tmp_path, cfg, [])
     with pytest.raises(TrackerError, match=r"starting the trackers \(train.report_to\) failed on rank 0: "
@@ -136,7 +138,7 @@ def test_a_tracker_that_cannot_start_is_a_tracker_error_and_closes_the_files(tmp
 
 
 def test_a_tracker_failing_mid_run_is_dropped_with_a_warning(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trackers.TensorBoard, "log", lambda self, step, m: 1 / 0)
+    monkeypatch.setattr(TensorBoard, "log", lambda self, step, m: 1 / 0)
     cfg = _cfg(tmp_path, tensorboard=True)
     w = RunDir.check_start(tmp_path, cfg, []).open(cfg, None, 0)
     w.log_metrics(1, {"reward/mean": 1.0})
