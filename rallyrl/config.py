@@ -426,7 +426,13 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = _f(0, "Save a checkpoint every N iterations (0 = off).")
+    interval: int = _f(0, "Save a checkpoint every N iterations (0 = none by count; `interval_minutes` still applies).")
+    interval_minutes: float = _f(
+        30.0,
+        "Also save a checkpoint after the first iteration that ends this many minutes after the last "
+        "checkpoint (or the start of the run), so a crash loses at most about that much training; 0 = off. "
+        "Like every checkpoint, bounded by `keep_last`. See docs/checkpoints.md (disk cost).",
+    )
     keep_last: int = _f(2, "How many checkpoints to keep.")
     on_signal: bool = _f(
         True,
@@ -752,6 +758,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"ppo.{key} must be in [0, 1], got {v}")
     positive("reward.batch_size", cfg.reward.batch_size)
     positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    positive("checkpoint.interval_minutes", cfg.checkpoint.interval_minutes, allow_zero=True)
     positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
     positive("dist.timeout_s", cfg.dist.timeout_s)
     positive("model.num_layers_unfrozen", cfg.model.num_layers_unfrozen)
@@ -987,7 +994,7 @@ FREE_TO_CHANGE = frozenset({
     "train.iterations", "train.run_dir", "train.log_rollouts", "train.tensorboard", "train.progress",
     "train.save_final", "train.num_threads", "train.overwrite", "train.resume", "train.allow_config_change",
     "train.report_to", "train.project", "train.run_name",
-    "checkpoint.interval", "checkpoint.keep_last", "checkpoint.on_signal", "train.lock_run_dir", "dist.timeout_s",
+    "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep_last", "checkpoint.on_signal", "train.lock_run_dir", "dist.timeout_s",
     "reward.overlap",  # the same rewards, only scored beside generation: same results (tested)
 })
 

@@ -37,7 +37,8 @@ RANGES: dict[str, dict[str, Any]] = {
         "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt")},
     **{k: _GE0 for k in (
         "generation.top_k", "train.iterations", "eval.interval", "train.num_threads", "ppo.warmup_steps",
-        "ppo.init_kl_coef", "ppo.max_nonfinite_skips", "checkpoint.interval", "reward.retries")},
+        "ppo.init_kl_coef", "ppo.max_nonfinite_skips", "checkpoint.interval", "reward.retries",
+        "checkpoint.interval_minutes")},
     "generation.top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "ppo.gamma": {"minimum": 0, "maximum": 1},
     "ppo.lam": {"minimum": 0, "maximum": 1},
