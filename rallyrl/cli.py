@@ -317,8 +317,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 _FIXES = {
-    "CheckpointError": "drop train.resume to start fresh, set it to auto to resume only when there is a "
-                       "valid checkpoint, or name a checkpoint folder under train.run_dir/checkpoints/",
+    "CheckpointError": "resume from the newest valid checkpoint with --set train.resume=auto, or start over with "
+                       "--set train.resume=auto --set train.overwrite=true (it removes only rallyrl's own files)",
     "FileNotFoundError": "check the path; relative paths are read from the working directory",
     "PermissionError": "choose a path you can write to, or change its permissions",
 }
@@ -330,7 +330,7 @@ def describe(e: BaseException, user_errors: tuple[type[BaseException], ...]) -> 
         text = str(e).strip() or type(e).__name__
         if isinstance(e, OSError) and e.filename is not None:
             text = f"{e.strerror or type(e).__name__}: {e.filename}"
-        fix = _FIXES.get(type(e).__name__)
+        fix = None if "--set " in text else _FIXES.get(type(e).__name__)  # (a message naming its own command)
         if type(e).__name__ == "CheckpointError" and text.startswith("saving"):
             fix = "check that train.run_dir is writable and has space; the last complete checkpoint is intact"
         if fix and fix not in text:

@@ -46,7 +46,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -277,8 +276,10 @@ def _prune(root: Path, keep_last: int) -> None:
 # verify / find / load
 
 
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check the manifest and every file's size and checksum; returns the manifest or raises."""
+def verify_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
+    """Check the manifest and every file's size and (``checksums``) sha256; returns the manifest or raises
+    ``CheckpointError`` naming the checkpoint and the file. Without checksums no file is read whole: the
+    quick look ``RunDir.check_start`` takes on every rank before anything heavy."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint not found: {path}")
@@ -288,40 +289,57 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(mpath.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        sizes = {name: info["size"] for name, info in files.items()}
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"checkpoint {path}: manifest.json is corrupt ({e})") from None
     for name, info in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
-        if f.stat().st_size != info["size"]:
+        if f.stat().st_size != sizes[name]:
             raise CheckpointError(
-                f"checkpoint {path}: {name} has {f.stat().st_size} bytes, the manifest says {info['size']} (truncated?)"
+                f"checkpoint {path}: {name} has {f.stat().st_size} bytes, the manifest says {sizes[name]} (truncated?)"
             )
-        if _sha256(f) != info["sha256"]:
+        if checksums and _sha256(f) != info["sha256"]:
             raise CheckpointError(f"checkpoint {path}: checksum mismatch in {name} (file is corrupt)")
     return manifest
 
 
+def checkpoint_problem(path: Path, checksums: bool = True) -> str | None:
+    """What ``verify_checkpoint`` finds wrong with ``path`` (its message), or None for a valid checkpoint."""
+    try:
+        verify_checkpoint(path, checksums)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def newest_valid(root: Path, checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest valid checkpoint under ``root`` (None if there is none) and each newer one with what is
+    wrong with it, newest first."""
+    problems: list[tuple[Path, str]] = []
+    for _, p in reversed(_steps(root)):
+        problem = checkpoint_problem(p, checksums)
+        if problem is None:
+            return p, problems
+        problems.append((p, problem))
+    return None, problems
+
+
 def resolve_resume(run_dir: Path, resume: str) -> Path:
-    """``latest`` -> the newest VALID checkpoint (warning about newer invalid ones); else a path."""
+    """``latest`` -> the newest valid checkpoint (newer invalid ones are skipped: ``newest_valid`` says
+    which and why); else the checkpoint folder ``resume``, verified."""
     if resume != "latest":
         p = Path(resume)
         verify_checkpoint(p)
         return p
     root = checkpoint_dir(run_dir)
-    candidates = _steps(root)
-    if not candidates:
+    if not _steps(root):
         raise CheckpointError(f"train.resume=latest: no checkpoint in {root}")
-    for _, p in reversed(candidates):
-        try:
-            verify_checkpoint(p)
-            return p
-        except CheckpointError as e:
-            warnings.warn(f"skipping invalid checkpoint: {e}", stacklevel=2)
-            if dist.is_main():
-                print(f"rallyrl: warning: skipping invalid checkpoint: {e}", flush=True)
-    raise CheckpointError(f"train.resume=latest: no valid checkpoint in {root}")
+    newest, problems = newest_valid(root)
+    if newest is None:
+        raise CheckpointError(f"train.resume=latest: no valid checkpoint in {root} ({'; '.join(m for _, m in problems)})")
+    return newest
 
 
 def load_checkpoint(

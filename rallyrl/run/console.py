@@ -110,8 +110,8 @@ class RunLog:
             self.say(f"rallyrl: stopped by {signal.Signals(stop.signum).name} after iteration {stop.iteration}; "
                      f"checkpoint {stop.checkpoint} written; continue with --set train.resume=auto (or latest)")
         elif newest is None:
-            self.say(f"rallyrl: interrupted at iteration {completed + 1}; no checkpoint to resume from "
-                     f"(set checkpoint.interval to make runs resumable)")
+            self.say(f"rallyrl: interrupted at iteration {completed + 1}; no checkpoint yet (checkpoint.interval, "
+                     f"checkpoint.interval_minutes): --set train.resume=auto starts the run over")
         else:
             self.say(f"rallyrl: interrupted at iteration {completed + 1}; newest checkpoint {newest.name}; "
                      f"resume with --set train.resume=latest")

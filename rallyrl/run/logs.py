@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .rundir import RunDir
 
 __all__ = ["JsonlError", "MetricsFile", "RunWriter", "append_jsonl", "clean", "has_iteration", "iter_jsonl",
-           "jsonl_line", "read_jsonl", "truncate_jsonl"]
+           "jsonl_line", "last_step", "read_jsonl", "truncate_jsonl"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -85,6 +85,22 @@ def has_iteration(metrics: Path) -> bool:
         except json.JSONDecodeError:
             return True
     return False
+
+
+def last_step(metrics: Path) -> int:
+    """The last iteration ``metrics.jsonl`` records (0: none, or not a file rallyrl can read)."""
+    if not metrics.is_file():
+        return 0
+    steps = [0]
+    for line in _lines(metrics, complete_only=True):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError:
+            continue
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            steps.append(step)
+    return max(steps)
 
 
 # --------------------------------------------------------------------------------------------------

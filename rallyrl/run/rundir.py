@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ import yaml
 from .. import dist, trackers
 from ..config import CheckpointConfig, Change, Config, TrainConfig, config_changes, format_changes
 from ..errors import CheckpointError, TrackerError, writing
-from . import logs
+from . import logs, resume
 from .lock import RunDirError, lock_run_dir
 from .logs import RunWriter
 
@@ -44,6 +46,8 @@ class RunDir:
         # it, and every change is written through at once (see ``record``).
         self._manifest_cache: dict[str, list[str]] | None = None
         self.cfg: Config | None = None  # the run's config, once check_start has accepted it
+        self.found: resume.Found | None = None  # what check_start found here
+        self.last_checkpoint_at = time.monotonic()  # checkpoint.interval_minutes counts from here (main rank)
 
     # --- what is there ---------------------------------------------------------------------------
     def _manifest(self) -> dict[str, list[str]]:
@@ -65,10 +69,6 @@ class RunDir:
         m = self._manifest()
         parts = Path(rel).parts
         return rel in m["files"] or any(parts[: len(Path(d).parts)] == Path(d).parts for d in m["dirs"])
-
-    def holds_run(self) -> bool:
-        """True if a run completed an iteration here or left a checkpoint (else the folder counts as empty)."""
-        return self.newest_checkpoint() is not None or logs.has_iteration(self.path / "metrics.jsonl")
 
     def newest_checkpoint(self) -> Path | None:
         from .checkpoint import checkpoint_dir, list_checkpoints
@@ -102,18 +102,19 @@ class RunDir:
         lock_run_dir(Path(path), cfg.train.lock_run_dir, create=create)
 
     def _check_start(self, cfg: Config, eval_steps: list[int]) -> None:
+        """Fresh start or resume (``run.resume``: every refusal names a command that works here), then
+        what a fresh start would replace."""
         train = cfg.train
         trackers.check_installed(cfg)  # a missing tracker package names its extra before anything starts
-        self.resuming = train.resume not in (None, "auto") or (train.resume == "auto" and self.newest_checkpoint() is not None)
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"train.run_dir {self.path} is a file, not a folder")
+        self.found = resume.survey(self.path)
+        self.resuming = resume.decide(self.found, train)
         if self.resuming:
             self._check_config_change(cfg)
             return
-        if self.holds_run() and not train.overwrite:
-            raise RunDirError(
-                f"train.run_dir {self.path} already holds a run; resume it with train.resume=latest, start over "
-                f"with train.overwrite=true (removes only rallyrl's own files), or choose another train.run_dir")
-        if self.path.exists() and not self.path.is_dir():
-            raise RunDirError(f"train.run_dir {self.path} is a file, not a folder")
+        if self.found.holds_run and not (train.overwrite or train.resume == "auto"):
+            raise resume.refusal(self.found)
         for rel in self._planned(eval_steps):
             p = self.path / rel
             if not p.exists() or self._owned(rel):
@@ -170,9 +171,13 @@ class RunDir:
         Every rank waits here."""
         writer = None
         if dist.is_main():
+            line = resume.starting_over_line(self.found, cfg.train) if self.found and not resumed_from else None
+            if line:
+                print(line, file=sys.stderr, flush=True)
             with writing(self.path, "starting the run"):
                 writer = self._open(cfg, resumed_from, iteration, was_world_size)
         dist.barrier()
+        self.last_checkpoint_at = time.monotonic()
 
         def start_trackers() -> None:
             if writer is not None:
@@ -262,10 +267,16 @@ class RunDir:
         None for a fresh start."""
         if not self.resuming:
             return None
-        from .checkpoint import resolve_resume
 
-        spec = "latest" if train.resume == "auto" else train.resume
-        return Path(dist.agree(lambda: str(resolve_resume(self.path, spec)), CheckpointError, main_only=True))
+        def pick() -> str | None:  # the main rank's choice, checksums verified, said in one line
+            path, line = resume.choose(self.path, train)
+            if line:
+                print(line, file=sys.stderr, flush=True)
+            return None if path is None else str(path)
+
+        chosen = dist.agree(pick, CheckpointError, main_only=True)
+        self.resuming = chosen is not None  # None: `auto` with `overwrite` found no valid checkpoint after all
+        return None if chosen is None else Path(chosen)
 
     def truncate_logs(self, last_step: int) -> None:
         """A killed run may have logged iterations after its last checkpoint: drop them, so the logs

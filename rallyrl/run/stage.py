@@ -1,10 +1,12 @@
-"""Stage 7 of the loop: checkpoints (every ``checkpoint.interval`` iterations, and on pre-emption) and
+"""Stage 7 of the loop: checkpoints (every ``checkpoint.interval`` iterations, once
+``checkpoint.interval_minutes`` have passed since the last one, and on pre-emption) and
 ``final/`` (the policy, its tokenizer and a model card). Collective: every rank calls each function, and
 a failure on any rank stops every rank with the same typed error (``dist.agree``). The files themselves
 are ``run.checkpoint``'s (imported when a checkpoint is first written: it needs torch)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +23,8 @@ __all__ = ["checkpoint_stage", "save_checkpoint", "save_final"]
 
 def checkpoint_stage(run_dir: "RunDir", step: int, policy: Any, learner: Any, state: Any, ckpt: CheckpointConfig,
                      stopping: bool = False) -> None:
-    """A checkpoint every ``checkpoint.interval`` iterations, then, with ``checkpoint.on_signal``, the
-    pre-emption check. The ranks agree (one all-reduce of one number) whether any of them received
+    """A checkpoint every ``checkpoint.interval`` iterations or once ``checkpoint.interval_minutes`` have
+    passed since the last one (or the start), then, with ``checkpoint.on_signal``, the pre-emption check. The ranks agree (one all-reduce of one number) whether any of them received
     SIGTERM or SIGUSR1; if so, every rank writes the checkpoint of this iteration (unless it was just
     written) and raises ``Preempted``: all stop after the same iteration, and ``train.resume: auto``
     continues exactly from there. A signal that arrives while a checkpoint is being written is seen
@@ -30,6 +32,8 @@ def checkpoint_stage(run_dir: "RunDir", step: int, policy: Any, learner: Any, st
     the run ends after this iteration, so with checkpoints on this iteration's is written too (the run
     stays resumable)."""
     due = bool(ckpt.interval) and (step % ckpt.interval == 0 or stopping)
+    if not due and ckpt.interval_minutes:
+        due = _minutes_passed(run_dir, ckpt.interval_minutes)
     path = save_checkpoint(run_dir, step, policy, learner, state, ckpt.keep_last) if due else None
     if not ckpt.on_signal:
         return
@@ -37,6 +41,13 @@ def checkpoint_stage(run_dir: "RunDir", step: int, policy: Any, learner: Any, st
     if signum:
         path = path or save_checkpoint(run_dir, step, policy, learner, state, ckpt.keep_last)
         raise Preempted(signum, step, path)
+
+
+def _minutes_passed(run_dir: "RunDir", minutes: float) -> bool:
+    """Have ``minutes`` passed since the last checkpoint (or the start)? The main rank's clock decides and
+    tells the others (one broadcast of one flag): every rank must save after the same iteration."""
+    passed = dist.is_main() and time.monotonic() - run_dir.last_checkpoint_at >= 60.0 * minutes
+    return bool(dist.broadcast_object(passed))
 
 
 def save_checkpoint(run_dir: "RunDir", step: int, policy: Any, learner: Any, state: Any, keep_last: int) -> Path:
@@ -50,8 +61,10 @@ def save_checkpoint(run_dir: "RunDir", step: int, policy: Any, learner: Any, sta
 
     # through agree: a failure on the main rank stops every rank here, not in a later collective
     dist.agree(claim_folder, CheckpointError, main_only=True)
-    return save(run_dir.path, step, policy, learner.optimizer,
+    path = save(run_dir.path, step, policy, learner.optimizer,
                 {**state.state_dict(), "scheduler": learner.scheduler_state()}, state.shuffle_gen, keep_last)
+    run_dir.last_checkpoint_at = time.monotonic()
+    return path
 
 
 def save_final(run_dir: "RunDir", policy: Any, tokenizer: Any, result: "TrainResult | None" = None) -> None:

@@ -29,6 +29,14 @@ def _fake_run(run_dir, steps=(1, 2)):
     return rd
 
 
+def _fake_checkpoint(run_dir, step):
+    """A checkpoint folder that passes the quick look (a manifest listing no files): no model here."""
+    folder = run_dir / "checkpoints" / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": {}}))
+    return folder
+
+
 def test_users_config_yaml_is_never_replaced(tmp_path):
     (tmp_path / "config.yaml").write_text("mine: true\n")
     for overwrite in (False, True):
@@ -78,7 +86,7 @@ def test_a_run_that_completed_no_iteration_counts_as_empty(tmp_path):
 def test_resume_with_a_changed_config_is_refused_then_recorded_when_allowed(tmp_path):
     run = tmp_path / "run"
     _fake_run(run)
-    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    _fake_checkpoint(run, 2)
     changed = load_config({"train": {"run_dir": str(run), "resume": "latest", "iterations": 50},
                            "ppo": {"lr": 2e-3}, "rollout": {"num_rollouts": 32}})
     with pytest.raises(RunDirError) as e:
@@ -105,7 +113,7 @@ def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path):
     assert not rd.resuming
     run = tmp_path / "run"
     _fake_run(run)
-    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    _fake_checkpoint(run, 2)
     assert RunDir.check_start(run, _cfg(run, resume="auto"), []).resuming
 
 
