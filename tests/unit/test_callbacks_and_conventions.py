@@ -133,6 +133,9 @@ def test_model_card_front_matter_and_contents(tmp_path):
     assert "- algorithm: Dr. GRPO (4 completions per prompt, group-normalised baseline, no value head; " \
            "clip range 0.2; 4 epoch(s)" in dr and "no KL penalty (no reference model)" in dr
     assert "dr-grpo" in yaml.safe_load(dr.split("---\n")[1])["tags"]
+    # only a run that trained a value head says it is left out (issue 28 item 7: a GRPO card mentioned one)
+    assert "The value head used in training is not part of this folder." in card
+    assert "value head used in training" not in dr
     assert "- iterations: 7 of 10 (stopped early by the callback EarlyStop.on_iteration), 64 rollouts each, " \
            "on 2 process(es)" in card
     assert "| `reward/mean` | 0.5 |" in card and "| `policy/kl` | 0.01 |" in card
