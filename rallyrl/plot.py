@@ -11,7 +11,8 @@ Files written (one figure each; several run dirs share every figure, the legend 
 folder name):
 
 - ``reward.png``: ``reward/mean`` with a ``± reward/std`` band.
-- ``kl.png``: ``policy/kl`` and ``policy/kl_coef``.
+- ``kl.png``: ``policy/kl`` and ``policy/kl_coef`` (not written when no run computed a KL: a run without
+  a reference model, ``ppo.init_kl_coef: 0``, has none).
 - ``eval.png``: every ``eval/*`` metric (only rows that have it; not written when no run has any).
 - ``losses.png``: ``policy/loss`` and ``value/loss``.
 - ``time.png``: per iteration, stacked seconds of each stage (``time/generate``, ``time/forward``,
@@ -163,6 +164,8 @@ def _reward_figure(runs: list[Run]):
 
 
 def _kl_figure(runs: list[Run]):
+    if not any(series(run, "policy/kl")[0] for run in runs):
+        return None  # no reference model: no KL, and the coefficient is a flat 0 (an empty figure says nothing)
     fig, axes = _new_figure(1, 2)
     _line_panel(axes[0], runs, "policy/kl")
     _style(axes[0], "policy/kl (per sequence, to the reference)", "KL (nats)")
