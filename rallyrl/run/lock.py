@@ -149,16 +149,30 @@ class RunDirLock:
             return None
         os.environ.pop(LOCK_FD_ENV)
         os.set_inheritable(fd, False)  # not into a reward server this rank may start
-        return RunDirLock(path, fd)
+        lock = RunDirLock(path, fd)
+        lock._adopted()
+        return lock
+
+    def _adopted(self) -> None:
+        """The main rank took over its launcher's lock: the file now names this process as the holder and
+        the launcher beside it. A launcher killed with SIGKILL leaves its workers running (they finish
+        the iteration and checkpoint), and the job to wait for, or stop, is then this process."""
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            info = json.loads(os.pread(self.fd, 1 << 16, 0).decode("utf-8"))
+            info = {**info, "pid": os.getpid(), "launcher": info["pid"]}
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, (json.dumps(info) + "\n").encode(), 0)
 
     @staticmethod
     def _holder(path: Path) -> str:
         """"pid P on host H since T (command)" from the lock file; the holder writes it right after it
-        took the lock, so an empty file is given a moment."""
+        took the lock, so an empty file is given a moment. A job started by ``--nproc``: the launcher's
+        pid and its rank 0's, or rank 0 alone once the launcher is gone (killed with SIGKILL)."""
         for _ in range(20):
             try:
                 info = json.loads(path.read_text(encoding="utf-8"))
-                return f"pid {info['pid']} on host {info['host']} since {info['since']} ({info['command']})"
+                return _describe_holder(info["pid"], info["host"], info["since"], info["command"],
+                                        info.get("launcher"))
             except (OSError, ValueError, KeyError, TypeError):
                 time.sleep(0.05)
         return "another process (it has not written its pid, host and start time yet)"
@@ -178,6 +192,25 @@ class RunDirLock:
                     folder.rmdir()  # only empty ones: stops at the first folder that holds anything
         os.close(self.fd)
         self.fd = -1
+
+
+def _describe_holder(pid: int, host: str, since: str, command: str, launcher: int | None) -> str:
+    if launcher is None:
+        return f"pid {pid} on host {host} since {since} ({command})"
+    if host != socket.gethostname() or _alive(launcher):
+        return f"pid {launcher} on host {host} since {since} ({command}; its rank 0 is pid {pid})"
+    return (f"pid {pid} on host {host} since {since} ({command}; rank 0 of a job whose launcher, pid {launcher}, "
+            f"is gone: its workers are stopping)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    return True
 
 
 def _command() -> str:
