@@ -68,9 +68,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "train", help="train a model with PPO, as a YAML config describes",
-        description="Train a model with PPO, as the YAML config describes. The whole config is checked "
-                    "before anything starts; Ctrl-C stops every process and says how to resume.")
+        "train", help="train a model with PPO, GRPO or RLOO (ppo.estimator), as a YAML config describes",
+        description="Train a model with PPO, GRPO or RLOO (ppo.estimator), as the YAML config describes. The "
+                    "whole config is checked before anything starts; Ctrl-C stops every process and says how to "
+                    "resume.")
     _add_config_args(p)
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="how many processes to start on this machine (default 1)")
@@ -95,7 +96,7 @@ def _train_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
     graceful = cfg.checkpoint.on_signal
     if (args.nproc > 1 or args.nnodes > 1) and not _under_launcher():
-        from .launch import Nodes, launch
+        from .launch import Nodes, before_workers, launch
 
         try:
             nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
@@ -106,7 +107,8 @@ def _train_main(args: argparse.Namespace) -> int:
         with holding_run_dir_locks() as locks:
             # every check a worker makes, for the GLOBAL world size, before any worker exists; a node other
             # than 0 skips the run-dir check: node 0 may already have started writing the shared run_dir
-            preflight(cfg, args.nproc * args.nnodes, quiet=True, run_dir=nodes.node_rank == 0, lock=True)
+            with before_workers(graceful):  # a signal meanwhile: one line, not a silent death
+                preflight(cfg, args.nproc * args.nnodes, quiet=True, run_dir=nodes.node_rank == 0, lock=True)
             worker_args = ["rallyrl.cli", "train", args.config]
             for o in args.overrides:
                 worker_args += ["--set", o]
@@ -287,8 +289,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="rallyrl",
-        description="PPO fine-tuning of Hugging Face language models across many processes, with one "
-                    "central reward step.",
+        description="Reinforcement-learning fine-tuning of Hugging Face language models (PPO, GRPO, RLOO) "
+                    "across many processes, with one central reward step.",
         epilog="Run 'rallyrl <command> --help' for a command's options. Set RALLYRL_DEBUG=1 to see "
                "tracebacks with the error messages. Errors and what to do: docs/troubleshooting.md.",
     )

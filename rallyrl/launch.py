@@ -36,6 +36,7 @@ after ``dist.timeout_s``), and each launcher prints its own first failure naming
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,32 @@ def _read_reports(folder: Path) -> dict[int, dict]:
             continue
         out[int(r["rank"])] = r
     return out
+
+
+@contextlib.contextmanager
+def before_workers(graceful: bool) -> Iterator[None]:
+    """The launcher's first seconds (it checks the config, loads the tokenizer and the prompts) before
+    any worker exists: SIGINT, SIGTERM and, with ``graceful`` (``checkpoint.on_signal``), SIGUSR1 stop it
+    with one line instead of killing it silently (Python's default for SIGTERM and SIGUSR1). The exit
+    code is what a later stop gives: 143 for a pre-emption signal with ``graceful``, else 128 + the
+    signal."""
+    from .errors import STOP_SIGNALS, Interrupted, forget_interrupts, interrupt_received, raise_if_interrupted
+
+    caught = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR1,) if graceful else ())
+    previous = {s: signal.signal(s, interrupt_received) for s in caught}
+    try:
+        yield
+        raise_if_interrupted()  # a signal whose exception was dropped on the way (errors.raise_if_interrupted)
+    except Interrupted as e:
+        if graceful and e.signum in STOP_SIGNALS:
+            e.exit_code = 128 + signal.SIGTERM
+        print(f"rallyrl: stopped by {signal.Signals(e.signum).name} before any worker started (while checking the "
+              f"run); nothing was trained: run the same command again to start", file=sys.stderr, flush=True)
+        raise
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        forget_interrupts()
 
 
 def _free_port() -> int:
