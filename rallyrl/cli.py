@@ -244,6 +244,9 @@ def _check_main(args: argparse.Namespace) -> int:
 
     with holding_run_dir_locks():  # a run in progress there is refused, as for a second `train`
         inp = preflight(cfg, args.nproc, lock=True, dry_run=True)
+    from .trackers import check as check_trackers
+
+    tracked = check_trackers(cfg, reach=True)  # W&B's mode and login, MLflow's store or server (no run started)
     plan = inp.plan
     longest = inp.train_set.longest()  # every training prompt read and checked once (a dry run may take it)
     lines = [
@@ -258,7 +261,7 @@ def _check_main(args: argparse.Namespace) -> int:
         f"'{cfg.reward.placement}'; eval metric_fn: {'yes' if inp.metric_fn else 'none'}",
         f"model: {cfg.model.path} (config and weight files present; weights not loaded), "
         f"tokenizer vocabulary {len(inp.tokenizer)}",
-    ]
+    ] + ([f"trackers: {'; '.join(tracked)}"] if tracked else [])
     # The resolved config is valid YAML; the report follows as YAML comments, so the output still parses.
     print(cfg.to_yaml(), end="")
     print("\n".join(f"# {line}" for line in lines))

@@ -105,7 +105,9 @@ class RunDir:
         """Fresh start or resume (``run.resume``: every refusal names a command that works here), then
         what a fresh start would replace."""
         train = cfg.train
-        trackers.check_installed(cfg)  # a missing tracker package names its extra before anything starts
+        # a missing tracker package names its extra, a W&B run without a login says so, before anything
+        # starts (the main rank only logs: only its environment matters)
+        trackers.check(cfg) if dist.expected_rank() == 0 else trackers.check_installed(cfg)
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"train.run_dir {self.path} is a file, not a folder")
         self.found = resume.survey(self.path)

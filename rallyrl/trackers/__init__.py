@@ -26,8 +26,8 @@ from typing import Any, Protocol
 from ..config import TRACKERS, Config, ConfigError
 from .common import STATE_FILE, TrackerState, param_values, scalars
 
-__all__ = ["PACKAGES", "STATE_FILE", "Tracker", "TrackerState", "check_installed", "chosen", "create", "param_values",
-           "scalars"]
+__all__ = ["PACKAGES", "STATE_FILE", "Tracker", "TrackerState", "check", "check_installed", "chosen", "create",
+           "param_values", "scalars"]
 
 # tracker -> (the module it needs, the extra that installs it)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -65,6 +65,26 @@ def check_installed(cfg: Config) -> None:
             key = "train.tensorboard=true" if name == "tensorboard" and cfg.train.tensorboard else \
                 f"train.report_to: {name}"
             raise ConfigError(f"{key} needs the {module} package: pip install 'rallyrl[{extra}]'")
+
+
+def check(cfg: Config, reach: bool = False) -> list[str]:
+    """What can be verified of the chosen trackers without starting a run: each one's package, and W&B's
+    mode and login (a ``ConfigError`` naming the fix); with ``reach`` (``rallyrl check``), also MLflow's
+    tracking URI (a local store's folder can be written, a server answers). One line per tracker."""
+    check_installed(cfg)
+    lines = []
+    for name in chosen(cfg):
+        if name == "wandb":
+            from .wandb import check as check_wandb
+
+            lines.append(check_wandb(cfg))
+        elif name == "mlflow" and reach:
+            from .mlflow import check as check_mlflow
+
+            lines.append(check_mlflow(reach))
+        else:
+            lines.append(f"{name}: installed")
+    return lines
 
 
 def create(names: Iterable[str], cfg: Config, state: TrackerState, tensorboard_dir: Any) -> list[Any]:

@@ -8,8 +8,48 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
+from ..config import Config, ConfigError
 from .common import TrackerState, exit_status, param_values, project_name, run_name, scalars
+
+
+def check(reach: bool) -> str:
+    """Where MLflow would log (``MLFLOW_TRACKING_URI``, else mlflow's own default) and, what can be seen
+    without starting a run, whether it can: a local store's folder is writable, and (``reach``:
+    ``rallyrl check``) a tracking server answers a connection. Other stores are named, not checked."""
+    import socket
+    from urllib.parse import urlsplit
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or _default_uri()
+    parts = urlsplit(uri)
+    if parts.scheme in ("http", "https"):
+        if reach:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                socket.create_connection((parts.hostname or "", port), timeout=5).close()
+            except OSError as e:
+                raise ConfigError(f"train.report_to: mlflow cannot reach its tracking server {uri} "
+                                  f"(MLFLOW_TRACKING_URI): {e.strerror or e}; start the server, fix the "
+                                  f"variable, or drop mlflow from train.report_to") from None
+            return f"mlflow: tracking server {uri} (reachable)"
+        return f"mlflow: tracking server {uri}"
+    if parts.scheme in ("", "file", "sqlite"):
+        # (sqlite:///rel.db is relative, sqlite:////abs.db absolute: the path is what follows the third /)
+        local = Path(uri[len("sqlite:///"):] if parts.scheme == "sqlite" else parts.path if parts.scheme else uri)
+        folder = local if parts.scheme in ("", "file") else local.parent
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+        if not os.access(existing, os.W_OK):
+            raise ConfigError(f"train.report_to: mlflow would write to {uri} (MLFLOW_TRACKING_URI), but {existing} "
+                              f"is not writable: set MLFLOW_TRACKING_URI to a folder you can write, or drop mlflow "
+                              f"from train.report_to")
+        return f"mlflow: local store {uri}"
+    return f"mlflow: tracking URI {uri} (not checked)"
+
+
+def _default_uri() -> str:
+    """mlflow's own choice when ``MLFLOW_TRACKING_URI`` is unset (``./mlruns`` or ``sqlite:///mlflow.db``)."""
+    import mlflow
+
+    return mlflow.get_tracking_uri()
 
 
 class Mlflow:
