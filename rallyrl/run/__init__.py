@@ -2,7 +2,8 @@
 
 - ``lock``: one run, one writer (``RunDirLock``, ``holding_run_dir_locks``, ``releases_run_dir_lock``);
 - ``rundir``: the folder's lifecycle (``RunDir``: may a run start here, resume point, manifest of
-  rallyrl's own files, log truncation after a resume);
+  rallyrl's own files, log truncation after a resume); ``resume``: which start it is (fresh, over an
+  earlier run, or a resume from which checkpoint) and the refusals, each naming a command that works;
 - ``logs``: the JSONL logs, read and written in this one place (``metrics.jsonl`` as a tracker,
   ``rollouts.jsonl``, evaluation samples, ``config_history.jsonl``; ``read_jsonl``);
 - ``console``: what the run says while it runs (``RunLog``) and what ``train()`` returns (``TrainResult``);
