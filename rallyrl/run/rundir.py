@@ -107,7 +107,10 @@ class RunDir:
         train = cfg.train
         # a missing tracker package names its extra, a W&B run without a login says so, before anything
         # starts (the main rank only logs: only its environment matters)
-        trackers.check(cfg) if dist.expected_rank() == 0 else trackers.check_installed(cfg)
+        if dist.expected_rank() == 0:
+            trackers.check(cfg)
+        else:
+            trackers.check_installed(cfg)
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"train.run_dir {self.path} is a file, not a folder")
         self.found = resume.survey(self.path)
