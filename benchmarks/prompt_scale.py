@@ -114,6 +114,7 @@ def interpreter(code: Path, work: Path) -> tuple[str, str]:
 
 
 def run_once(code: Path, work: Path, data: Path, label: str, long_prompts: str | None = None) -> dict:
+    from rallyrl.run.logs import read_jsonl
     from rallyrl.testing import build_tiny_gpt2
 
     model = work / "model"
@@ -144,11 +145,10 @@ def run_once(code: Path, work: Path, data: Path, label: str, long_prompts: str |
     res = json.loads(subprocess.run([sys.executable, "-m", "benchmarks.prompt_scale", "--_measure", json.dumps(
         {"cmd": cmd, "env": env, "cwd": str(code)})], cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     if res["rc"] == 0:
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_jsonl(run_dir / "metrics.jsonl")
         res["iteration_s"] = metrics[-1]["time/iteration"]
         res["startup_s"] = res["wall_s"] - res["iteration_s"]
-        res["first_prompts"] = [json.loads(line)["prompt"] for line in
-                                (run_dir / "rollouts.jsonl").read_text().splitlines()[:8]]
+        res["first_prompts"] = [r["prompt"] for r in read_jsonl(run_dir / "rollouts.jsonl")[:8]]
         res["index_s"] = _measured_s(res.get("out", ""))
     res.pop("out", None)
     return res

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
 from . import dist
 from .config import BatchPlan, Config, PPOConfig, load_config
 from .errors import NonFiniteError, raise_if_interrupted
@@ -41,8 +40,11 @@ from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, StepStats
 from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
+from .run import checkpoint as ckpt
+from .run.console import RunLog, TrainResult
+from .run.lock import releases_run_dir_lock
+from .run.rundir import RunDir
 from .seeding import seed_everything, stream_seed
-from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
 

@@ -18,7 +18,7 @@ FREE_TO_CHANGE = frozenset({
     "train.iterations", "train.run_dir", "train.log_rollouts", "train.tensorboard", "train.progress",
     "train.save_final", "train.num_threads", "train.overwrite", "train.resume", "train.allow_config_change",
     "train.report_to", "train.project", "train.run_name",
-    "checkpoint.interval", "checkpoint.keep_last", "checkpoint.on_signal", "train.lock_run_dir", "dist.timeout_s",
+    "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep_last", "checkpoint.on_signal", "train.lock_run_dir", "dist.timeout_s",
     "reward.overlap",  # the same rewards, only scored beside generation: same results (tested)
 })
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rallyrl.data import PromptSampler
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config, rallyrl_train, write_config
 
 pytestmark = pytest.mark.dist
