@@ -28,12 +28,11 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
 from . import dist
 from .config import BatchPlan, Config, PPOConfig, engine_logprobs_exact, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
-from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
+from .inputs import Inputs, MetricFn, PromptSet, PromptSource, eval_steps, prepare_inputs
 from .learn.advantages import compute_advantages
 from .learn.engine import engine_correction
 from .learn.metrics import iteration_metrics
@@ -43,8 +42,11 @@ from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, StepStats
 from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
+from .run import checkpoint as ckpt
+from .run.console import RunLog, TrainResult
+from .run.lock import releases_run_dir_lock
+from .run.rundir import RunDir
 from .seeding import seed_everything, stream_seed
-from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
 
@@ -55,12 +57,14 @@ __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages"
 
 @releases_run_dir_lock  # the run-dir lock (main rank, RunDir.check_start) ends with this call, however it ends
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
-          prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
+          prompts: PromptSource | None = None, eval_prompts: PromptSource | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
           callbacks: Sequence[Any] | None = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``), like ``trlx.train``; every rank
     calls it. ``reward_fn``, ``prompts``, ``eval_prompts``, ``metric_fn`` override ``reward.fn``, ``data.*``,
-    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); docs/data.md, docs/tracking.md."""
+    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); ``prompts`` /
+    ``eval_prompts`` take what ``data.prompts`` takes or a ``datasets.Dataset`` / ``DatasetDict``;
+    docs/data.md, docs/tracking.md."""
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()
@@ -183,8 +187,7 @@ def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard
     Every rank prepares (reads, renders, tokenizes, checks) all the drawn prompts, not only its own: a
     prompt that is too long or empty then raises the same error naming its row on every rank, at the
     same point, with no collective; and only this iteration's rows stay in memory."""
-    drawn = state.sampler.next(plan.prompts_per_iteration)
-    prompts.prepare(drawn)
+    drawn = prompts.draw(state.sampler, plan.prompts_per_iteration)  # data.long_prompts: skip draws on
     return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
 
 
@@ -223,7 +226,7 @@ def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
                 run_dir: RunDir) -> dict[str, float]:
     """The iteration's metrics (one all-reduce), the non-finite guard and the KL controller's update."""
     metrics = iteration_metrics(ro, adv, rstats, upd, [f.name for f in inp.reward_fns], state, inp.plan)
-    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]}
+    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]} | inp.train_set.draw_metrics()
     metrics |= learner.memory(models.reference)  # this rank's bytes (rank 0's are logged)
     _check_finite(metrics, upd, step, cfg.ppo, run_dir)
     if "policy/kl" in metrics:  # no reference (beta 0, fixed): nothing to control

@@ -104,7 +104,14 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = _f(0, "Save a checkpoint every N iterations (0 = off).", ge=0)
+    interval: int = _f(0, "Save a checkpoint every N iterations (0 = none by count; `interval_minutes` still applies).",
+                       ge=0)
+    interval_minutes: float = _f(
+        30.0,
+        "Also save a checkpoint after the first iteration that ends this many minutes after the last "
+        "checkpoint (or the start of the run), so a crash loses at most about that much training; 0 = off. "
+        "Like every checkpoint, bounded by `keep_last`. See docs/checkpoints.md (disk cost).", ge=0,
+    )
     keep_last: int = _f(2, "How many checkpoints to keep.", gt=0)
     on_signal: bool = _f(
         True,
