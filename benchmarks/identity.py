@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -158,7 +157,9 @@ def _pinned(src: Path, name: str, sections: dict[str, dict[str, Any]]) -> dict[s
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from rallyrl.run.logs import read_jsonl
+
+    return read_jsonl(path)
 
 
 def record(run_dir: Path) -> dict[str, Any]:

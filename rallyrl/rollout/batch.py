@@ -51,6 +51,10 @@ class Rollouts:
     global_index: list[int] = field(default_factory=list)  # the sample's index in the iteration's global batch
     group: list[int] = field(default_factory=list)  # group id (= global_index // samples_per_prompt)
     reward_components: list[dict[str, float]] = field(default_factory=list)
+    # A separate engine's (vLLM) sampling log-probs beside the trainer's `logprobs` (B, T), 0 off the action
+    # mask; None when the engine is the trainer (hf) or its log-probs are the old log-probs (`generate`).
+    engine_logprobs: torch.Tensor | None = None
+    versions: list[int] = field(default_factory=list)  # per sample: the engine weight version that sampled it
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -64,6 +68,8 @@ class Rollouts:
     def from_chunk(ep: "Episodes", scored: "Scored", rewards: Sequence["Reward"], prompts: list[str],
                    metadata: list[dict[str, Any]], global_index: list[int], group_size: int = 1) -> "Rollouts":
         T = ep.response_ids.shape[1]
+        # the engine's log-probs are kept apart when the trainer computed its own (`forward`)
+        engine_lp = ep.logprobs if ep.logprobs is not None and scored.logprobs is not ep.logprobs else None
         dense = None
         if any(rw.dense is not None for rw in rewards):
             dense = torch.zeros(len(rewards), T)  # (B, T)
@@ -77,7 +83,8 @@ class Rollouts:
             scores=torch.tensor([rw.score for rw in rewards], dtype=torch.float32),
             dense_scores=dense, prompts=list(prompts), outputs=list(ep.outputs), metadata=list(metadata),
             global_index=list(global_index), group=[i // group_size for i in global_index],
-            reward_components=[rw.components for rw in rewards],
+            reward_components=[rw.components for rw in rewards], engine_logprobs=engine_lp,
+            versions=[ep.version] * len(rewards),
         )
 
     @staticmethod
@@ -117,6 +124,7 @@ class Rollouts:
             prompts=joined(lambda p: p.prompts), outputs=joined(lambda p: p.outputs),
             metadata=joined(lambda p: p.metadata), global_index=joined(lambda p: p.global_index),
             group=joined(lambda p: p.group), reward_components=joined(lambda p: p.reward_components),
+            engine_logprobs=optional(lambda p: p.engine_logprobs), versions=joined(lambda p: p.versions),
         )
 
 
@@ -160,17 +168,3 @@ class Shard:
     def round(self, r: int) -> list[int]:
         """The global indices of chunk round ``r`` on this rank (may be empty on some ranks)."""
         return self.indices[r * self.chunk_size : (r + 1) * self.chunk_size]
-
-
-def pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, L) ids and mask; ``left`` for prompts (every response then starts at the same column),
-    right for responses."""
-    lens = [len(x) for x in seqs]
-    width = max(lens, default=0)
-    # One tensor from padded Python lists and a mask from the lengths: one torch call per batch, not two
-    # per row (milliseconds per generation chunk; benchmarks/README.md, floors).
-    rows = [[pad_id] * (width - n) + list(x) if left else list(x) + [pad_id] * (width - n) for x, n in zip(seqs, lens)]
-    ids = torch.tensor(rows, dtype=torch.long).reshape(len(seqs), width)
-    cols, n = torch.arange(width), torch.tensor(lens, dtype=torch.long).reshape(-1, 1)
-    mask = cols >= width - n if left else cols < n  # (B, L)
-    return ids, mask
