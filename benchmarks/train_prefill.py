@@ -17,10 +17,11 @@ tokens) x G = 8 = 64 rows with responses of at most 10 tokens, one torch thread.
   model, prompts and G, 1 process, no evaluation) trains ``N`` iterations with ``model.prefill_once`` on
   and off from the same seed; compared: the final weights (largest difference, and the L2 norm of the
   difference against that of the training's own change from the initial weights), every logged metric
-  per iteration, and which sampled outputs are identical.
+  per iteration, which sampled outputs are identical, and the per-token log-probs of the last
+  iteration's samples under the two final policies (and one forward on vs off).
 
     .venv/bin/python benchmarks/train_prefill.py [--pairs 5] [--shuffles 2000] [--out runs/bench/train_prefill.json]
-    .venv/bin/python benchmarks/train_prefill.py --drift 3 [--out runs/bench/train_prefill_drift.json]
+    .venv/bin/python benchmarks/train_prefill.py --drift 3 [--reuse] [--out runs/bench/train_prefill_drift.json]
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def sharing(query_len: list[int], resp_len: list[int], groups: list[int], micro:
             "positions_on_over_off": on / off}
 
 
-def drift(iterations: int, work: Path) -> dict:
-    """Train the arithmetic example on and off (see the module docstring) and compare the two runs."""
+def drift(iterations: int, work: Path, reuse: bool = False) -> dict:
+    """Train the arithmetic example on and off (see the module docstring) and compare the two runs
+    (``reuse``: compare the runs already in ``work`` when both finished ``iterations`` iterations)."""
     import subprocess
 
     import torch
@@ -75,6 +77,9 @@ def drift(iterations: int, work: Path) -> dict:
     runs = {}
     for on in (True, False):
         run_dir = work / f"prefill_once_{str(on).lower()}"
+        if reuse and _finished(run_dir, iterations):
+            runs[on] = run_dir
+            continue
         sets = [f"model.path={smollm2_dir()}", f"train.run_dir={run_dir}", f"train.iterations={iterations}",
                 "train.overwrite=true", "train.progress=false", "eval.interval=0", "data.eval_prompts=null",
                 f"model.prefill_once={str(on).lower()}"]
@@ -106,11 +111,51 @@ def drift(iterations: int, work: Path) -> dict:
     out = {"iterations": iterations, "weights_max_abs_diff": diff, "weights_max_abs_change_off": moved,
            "weights_l2_diff": l2, "weights_l2_change_off": l2_moved, "weights_l2_ratio": l2 / l2_moved,
            "identical_outputs_per_step": {str(k): f"{sum(v)}/{len(v)}" for k, v in same.items()},
+           "loss_max_abs_diff": max(m["policy/loss"]["abs_diff"] for m in metrics),
+           "logprobs": logprob_drift(runs, [x for x in ra if x["step"] == iterations]),
            "metrics_per_step": metrics}
     print(f"drift: weights max |on-off| {diff:.3g} (training moved them up to {moved:.3g}); "
           f"L2 {l2:.3g} vs {l2_moved:.3g} ({l2 / l2_moved:.2g}); identical outputs {out['identical_outputs_per_step']}",
           flush=True)
     return out
+
+
+def _finished(run_dir: Path, iterations: int) -> bool:
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    return (run_dir / "final" / "model.safetensors").exists() and max(steps, default=0) == iterations
+
+
+def logprob_drift(runs: dict[bool, Path], samples: list[dict]) -> dict:
+    """Per-token log-probs of the last iteration's samples (prompt and output re-tokenized; the same
+    tokens for every forward compared): ``final_on_vs_off`` scores them with each run's final policy (the
+    full forward for both): how far N iterations with the option on moved the policy's log-probs;
+    ``one_forward`` scores them with the off run's final policy, ``response_outputs`` with prefill_once
+    on vs off: one forward's rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rallyrl.models.causal import response_outputs
+    from rallyrl.rollout import pad
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(runs[False] / "final")
+    q, qm = pad([tok(x["prompt"], add_special_tokens=False)["input_ids"] for x in samples], tok.pad_token_id, True)
+    r, rm = pad([tok(x["output"], add_special_tokens=False)["input_ids"] or [tok.eos_token_id] for x in samples],
+                tok.pad_token_id, False)
+
+    @torch.no_grad()
+    def logprobs(run: Path, on: bool) -> torch.Tensor:
+        lm = AutoModelForCausalLM.from_pretrained(run / "final", dtype=torch.float32).eval()
+        logits, _ = response_outputs(lm, q, qm, r, rm, False, on)
+        return torch.log_softmax(logits.float(), -1).gather(-1, r.unsqueeze(-1)).squeeze(-1)[rm]
+
+    off_full = logprobs(runs[False], False)
+    res = {"samples": len(samples), "tokens": int(rm.sum()),
+           "final_on_vs_off_max_abs_diff": (logprobs(runs[True], False) - off_full).abs().max().item(),
+           "one_forward_max_abs_diff": (logprobs(runs[False], True) - off_full).abs().max().item()}
+    print(f"drift: log-probs {res}", flush=True)
+    return res
 
 
 def main() -> None:
@@ -119,12 +164,13 @@ def main() -> None:
     p.add_argument("--shuffles", type=int, default=2000)
     p.add_argument("--out", default="runs/bench/train_prefill.json")
     p.add_argument("--drift", type=int, default=0, metavar="N", help="only the drift runs, N iterations each")
+    p.add_argument("--reuse", action="store_true", help="--drift: compare the finished runs already in the work dir")
     args = p.parse_args()
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     if args.drift:
         res = {"settings": vars(args), "machine": machine(), "load_1min_before": os.getloadavg()[0],
-               "drift": drift(args.drift, ROOT / "runs" / "bench" / "train_prefill_drift")}
+               "drift": drift(args.drift, ROOT / "runs" / "bench" / "train_prefill_drift", args.reuse)}
         res["load_1min_after"] = os.getloadavg()[0]
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
