@@ -27,13 +27,17 @@ class CausalPolicy(nn.Module):
 
     def __init__(self, lm: nn.Module, value_head_std: float, seed: int, head: str | None = "linear",
                  save: Callable[..., None] | None = None, prefill_once: bool = True,
-                 fixed_passes: bool = False) -> None:
+                 fixed_passes: bool = False, full_when_scoring: bool = False) -> None:
         super().__init__()
         self.lm = lm
         # model.prefill_once: a query repeated in a batch runs once (models/prefix.py), where the model allows;
         # fixed_passes (model.sharding: fsdp): then every batch runs the same passes (response_outputs)
         self.prefill_once = prefill_once and causal_prefix_supported(lm)
         self.fixed_passes = fixed_passes
+        # full_when_scoring (a `shared` reference, which always runs the full forward): the scoring pass
+        # (no grad) runs the full forward too, so the policy and its reference compute the same logits from
+        # the same weights, bit for bit (policy/kl exactly 0 before the first update); training still shares
+        self.full_when_scoring = full_when_scoring
         # how final/ is written when the LM is not a plain transformers model (LoRA):
         # save(lm, out, state_dict=None | the whole policy state dict when the parameters are shards)
         self._save = save
@@ -44,9 +48,9 @@ class CausalPolicy(nn.Module):
 
     def forward(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                 response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        share = self.prefill_once and not (self.full_when_scoring and not torch.is_grad_enabled())
         logits, hidden = response_outputs(self.lm, query, query_mask, response, response_mask,
-                                          self.v_head is not None, self.prefill_once,
-                                          self.fixed_passes)  # (B, T, V), (B, T, H)
+                                          self.v_head is not None, share, self.fixed_passes)  # (B, T, V), (B, T, H)
         if self.v_head is None:
             return logits, None
         return logits, self.v_head(hidden).squeeze(-1)  # (B, T, V), (B, T)
@@ -65,15 +69,18 @@ class CopyReference(nn.Module):
 
     reads_policy = False  # its own weights only: under fsdp it is gathered alone
 
-    def __init__(self, lm: nn.Module, prefill_once: bool = True) -> None:
+    def __init__(self, lm: nn.Module, prefill_once: bool = True, fixed_passes: bool = False) -> None:
         super().__init__()
         self.lm = frozen_copy(lm)
-        self.prefill_once = prefill_once and causal_prefix_supported(lm)  # as CausalPolicy
+        # as CausalPolicy, passes included: the same path on the same batch gives the policy's bits (KL 0)
+        self.prefill_once = prefill_once and causal_prefix_supported(lm)
+        self.fixed_passes = fixed_passes
 
     @torch.no_grad()
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-        logits, _ = response_outputs(self.lm, query, query_mask, response, response_mask, False, self.prefill_once)
+        logits, _ = response_outputs(self.lm, query, query_mask, response, response_mask, False, self.prefill_once,
+                                     self.fixed_passes)
         return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
 
 

@@ -71,7 +71,9 @@ class SharedReference(nn.Module):
 
     It always runs the full ``[query | response]`` forward, ignoring ``model.prefill_once``: a prompt run
     once would leave the captured inputs as a response pass over a KV cache that the frozen copies do not
-    have (they would need the prefix pass's cache of their own blocks too). The policy itself shares.
+    have (they would need the prefix pass's cache of their own blocks too). The policy shares in training;
+    its scoring pass runs the full forward as this does (``CausalPolicy.full_when_scoring``), so the two
+    agree bit for bit before the first update.
 
     Under ``model.sharding: fsdp`` the trunk is the policy's sharded LM: ``reads_policy`` tells the
     rollout to gather the policy together with this reference for ``logprobs``; this module's own frozen
@@ -167,23 +169,27 @@ class LoraReference(nn.Module):
 
     reads_policy = True  # logprobs runs the policy's own LM (adapter off)
 
-    def __init__(self, peft_lm: nn.Module, prefill_once: bool = True) -> None:
+    def __init__(self, peft_lm: nn.Module, prefill_once: bool = True, fixed_passes: bool = False) -> None:
         super().__init__()
         self._lm = [peft_lm]  # not a submodule: the weights are the policy's
-        self.prefill_once = prefill_once and causal_prefix_supported(peft_lm)  # as the policy (causal.py)
+        # as the policy (causal.py), passes included: the same path gives the policy's bits at the start
+        self.prefill_once = prefill_once and causal_prefix_supported(peft_lm)
+        self.fixed_passes = fixed_passes
 
     @torch.no_grad()
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
         lm = self._lm[0]
         with lm.disable_adapter():
-            logits, _ = response_outputs(lm, query, query_mask, response, response_mask, False, self.prefill_once)
+            logits, _ = response_outputs(lm, query, query_mask, response, response_mask, False, self.prefill_once,
+                                         self.fixed_passes)
         return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
 
 
-def setup_lora(lm: nn.Module, cfg: LoraConfig, prefill_once: bool = True) -> tuple[nn.Module, LoraReference]:
+def setup_lora(lm: nn.Module, cfg: LoraConfig, prefill_once: bool = True,
+               fixed_passes: bool = False) -> tuple[nn.Module, LoraReference]:
     """Wrap ``lm`` in a PEFT LoRA model (only the adapter trains); returns it and its reference
-    (``prefill_once``: ``model.prefill_once``)."""
+    (``prefill_once``: ``model.prefill_once``; ``fixed_passes``: as the policy's, causal.py)."""
     try:
         import peft
     except ImportError:
@@ -196,7 +202,7 @@ def setup_lora(lm: nn.Module, cfg: LoraConfig, prefill_once: bool = True) -> tup
     except ValueError as e:  # e.g. target modules not found in the model
         raise ConfigError(f"model.lora.target_modules: {e}") from None
     peft_lm.eval()
-    return peft_lm, LoraReference(peft_lm, prefill_once)
+    return peft_lm, LoraReference(peft_lm, prefill_once, fixed_passes)
 
 
 def save_lora(peft_lm: nn.Module, out: Path, merge: bool, state_dict: dict[str, torch.Tensor] | None = None) -> None:

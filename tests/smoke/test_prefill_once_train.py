@@ -174,6 +174,29 @@ def test_models_whose_cache_is_not_plain_attention_run_the_full_forward(tiny_lla
     assert not policy.prefill_once
 
 
+AGREE = {  # the reference's passes match the policy's scoring pass, so the two give the same bits at the start
+    "llama-shared": ("tiny_llama", {"reference": "shared", "num_layers_unfrozen": 1}),  # policy scores full
+    "gpt2-copy-fsdp": ("tiny_model", {"sharding": "fsdp"}),  # fixed passes on both (not sharded here)
+    "llama-lora-fsdp": ("tiny_llama", {"reference": "lora", "lora": LoraConfig(r=4), "sharding": "fsdp"}),
+    "gpt2-copy": ("tiny_model", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(AGREE))
+def test_policy_and_reference_agree_bit_for_bit_before_the_first_update(case, request):
+    """policy/kl is exactly 0 before the first update (docs/models.md): with the option on, the scoring
+    pass's policy log-probs equal the reference's bit for bit, with repeated queries and without."""
+    fixture, model = AGREE[case]
+    m = load_models(ModelConfig(path=str(request.getfixturevalue(fixture)), prefill_once=True, **model), seed=0)
+    q, qm, r, rm = _batch(m.tokenizer)
+    for rows in (list(range(8)), [0, 3, 1]):  # repeats; no repeat (fixed passes: two passes anyway)
+        with torch.no_grad():
+            logits, _ = m.policy(q[rows], qm[rows], r[rows], rm[rows])
+            policy = rallyrl.ops.logprobs_from_logits(logits.float() / 0.7, r[rows])
+            ref = m.reference.logprobs(q[rows], qm[rows], r[rows], rm[rows], 0.7)
+        assert torch.equal(policy * rm[rows], ref * rm[rows]), (case, rows, (policy - ref)[rm[rows]].abs().max())
+
+
 def test_a_run_trains_as_with_it_off(tiny_model, tmp_path, monkeypatch):
     """GRPO (G 4) with the KL in the loss (a copy reference), micro-batches of 4: every forward over
     rollouts shares (counted), and the metrics and final weights equal the run with it off within
