@@ -15,9 +15,9 @@ under ``model.sharding: fsdp`` on 2 processes; and a resumed run (3 iterations, 
 step-2 checkpoint and redone from it), which must also equal its own uninterrupted run.
 
 Options that change the last bits on purpose are pinned off where they would (``PINNED``): the critic-free
-runs (grpo, fsdp) run with ``model.prefill_once: false`` on every side that has the option, since its
-forward of a group's prompt once gives the same numbers within float rounding, not the same bits
-(docs/scaling.md, CHANGELOG); the other runs keep every default.
+runs (grpo, fsdp) and t5 (a prompt drawn twice in one batch) run with ``model.prefill_once: false`` on
+every side that has the option, since its forward of a repeated prompt once gives the same numbers within
+float rounding, not the same bits (docs/scaling.md, CHANGELOG); the other runs keep every default.
 
     python benchmarks/identity.py                  # before = BASE below, after = this working tree
     python benchmarks/identity.py --before HEAD~3 --runs ppo,grpo --keep /tmp/identity
@@ -82,11 +82,13 @@ VOLATILE = ("time/", "memory/")
 # for bit), pinned off in those runs on every side whose tree has them (the before tree predates them):
 # - model.prefill_once (issue 29, default on): a prompt repeated in a batch runs once in the scoring and
 #   training forwards. The critic-free runs repeat every prompt G times (grpo: the reference pass and the
-#   update; fsdp: the policy runs its two passes on every batch there); the other runs stay identical
-#   with it on.
+#   update; fsdp: the policy runs its two passes on every batch there), and t5's second iteration draws a
+#   prompt twice (7 rollouts per iteration from 10 prompts: the next pass over the data begins inside its
+#   batch), so its update encodes that prompt once; the other runs stay identical with it on.
 PINNED: dict[str, dict[str, dict[str, Any]]] = {
     "grpo": {"model": {"prefill_once": False}},
     "fsdp": {"model": {"prefill_once": False}},
+    "t5": {"model": {"prefill_once": False}},
 }
 
 
