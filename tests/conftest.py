@@ -36,3 +36,12 @@ def tiny_llama(tiny_model, tmp_path_factory):
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tiny_model, tmp_path_factory):
+    """A tiny GPT-2 with ChatML special tokens (``<|im_end|>`` = EOS) and a Qwen/Hermes-style tool template
+    (tests/helpers/chat.py), built locally."""
+    from tests.helpers.chat import build_tiny_chat
+
+    return build_tiny_chat(tmp_path_factory.mktemp("tiny") / "chat", tiny_model)
