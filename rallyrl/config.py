@@ -233,6 +233,13 @@ class RolloutConfig:
         "forward less per chunk; equal to `forward`'s up to float rounding of the KV-cached math (~1e-5 "
         "in float32; more in bf16, where veRL and OpenRLHF recompute for that reason).",
     )
+    max_episode_tokens: int | None = _f(
+        None,
+        "Multi-turn episodes (`env.factory`): the most tokens a training row's context may hold, prompt + every "
+        "turn + the environment's messages (null = the model's positions). A turn is cut where it would pass it; "
+        "an environment reply that would not fit with room for one more token ends the episode as truncated "
+        "(the reply is not shown). See docs/environments.md.",
+    )
 
 
 @dataclass
@@ -438,6 +445,46 @@ class CheckpointConfig:
 
 
 @dataclass
+class EnvConfig:
+    factory: str | None = _f(
+        None,
+        "Import path (`module:attr` or `file.py:attr`) of the environment of multi-turn episodes: a class (or a "
+        "function) called as `factory(**env.kwargs)` once per episode, whose objects have `reset(record)` and "
+        "`step(message)` (docs/environments.md); e.g. `rallyrl.rollout.env:ToolEnv` with `kwargs: {tools: "
+        "[...]}`. null = single-turn episodes (one response per prompt). `rallyrl.train(env=...)` overrides it.",
+    )
+    kwargs: dict[str, Any] = _f({}, "Keyword arguments of `env.factory` (each episode's environment is built with them).")
+    max_turns: int = _f(
+        4, "Most assistant turns per episode; an episode the environment would continue after it is truncated."
+    )
+    tool_timeout_s: float = _f(
+        30.0,
+        "Seconds a tool call may take (and a `reset`/`step` of an environment that is not a `ToolEnv`); a call "
+        "that overruns is abandoned and handled by `env.on_tool_error`.",
+    )
+    max_concurrent_tools: int = _f(8, "Tool calls that may run at once in one process (the others queue).")
+    on_tool_error: Literal["message", "fail"] = _f(
+        "message",
+        "A tool that raises or times out: `message` (the model is told `Error: ...` in the tool's result and the "
+        "episode goes on; counted in `episode/tool_errors`) or `fail` (every rank stops with an EpisodeError "
+        "naming the tool, the prompt and the turn). A call the model got wrong (unknown tool, bad arguments, "
+        "unparsable) is always a message.",
+    )
+    turn_rewards: Literal["sum", "per_turn"] = _f(
+        "sum",
+        "Where the environment's own rewards (`step`'s reward) go: `sum` (added to the episode's score) or "
+        "`per_turn` (each on its turn's last sampled token, so `gae` credits each turn; the critic-free "
+        "estimators see their sum either way).",
+    )
+    on_template_drift: Literal["fail", "fork"] = _f(
+        "fail",
+        "When the chat template is not prefix-preserving at a step (it rewrites earlier turns, e.g. drops "
+        "`<think>` blocks): `fail` (every rank stops, naming the prompt and the turn) or `fork` (the episode "
+        "goes on in a new training row whose query is the re-rendered conversation; `episode/forks`).",
+    )
+
+
+@dataclass
 class DistConfig:
     timeout_s: float = _f(600.0, "Collective timeout in seconds (a dead peer ends the job after this).")
 
@@ -454,6 +501,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -713,6 +761,14 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {v}")
 
     positive("rollout.num_rollouts", cfg.rollout.num_rollouts)
+    positive("rollout.max_episode_tokens", cfg.rollout.max_episode_tokens)
+    positive("env.max_turns", cfg.env.max_turns)
+    positive("env.tool_timeout_s", cfg.env.tool_timeout_s)
+    positive("env.max_concurrent_tools", cfg.env.max_concurrent_tools)
+    if cfg.env.on_template_drift == "fork" and cfg.model.sharding == "fsdp" and cfg.ppo.micro_batch_size:
+        raise ConfigError("env.on_template_drift: fork with model.sharding: fsdp needs ppo.micro_batch_size: null: a "
+                          "fork adds a training row on one rank only, and under fsdp every rank must run the same "
+                          "number of micro-batches")
     positive("rollout.chunk_size", cfg.rollout.chunk_size)
     positive("generation.max_new_tokens", cfg.generation.max_new_tokens)
     positive("generation.temperature", cfg.generation.temperature)
@@ -989,6 +1045,8 @@ FREE_TO_CHANGE = frozenset({
     "train.report_to", "train.project", "train.run_name",
     "checkpoint.interval", "checkpoint.keep_last", "checkpoint.on_signal", "train.lock_run_dir", "dist.timeout_s",
     "reward.overlap",  # the same rewards, only scored beside generation: same results (tested)
+    # limits on how tools run, not on what they return (the same results for tools that finish in time)
+    "env.tool_timeout_s", "env.max_concurrent_tools",
 })
 
 _ABSENT = "<absent>"

@@ -34,7 +34,8 @@ RANGES: dict[str, dict[str, Any]] = {
         "ppo.clip_range", "ppo.clip_range_value", "ppo.target_kl", "ppo.kl_horizon", "ppo.reward_clip",
         "reward.batch_size", "reward.timeout_s", "checkpoint.keep_last", "dist.timeout_s",
         "model.num_layers_unfrozen", "model.lora.r", "model.lora.alpha", "rollout.samples_per_prompt",
-        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt")},
+        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt", "rollout.max_episode_tokens",
+        "env.max_turns", "env.tool_timeout_s", "env.max_concurrent_tools")},
     **{k: _GE0 for k in (
         "generation.top_k", "train.iterations", "eval.interval", "train.num_threads", "ppo.warmup_steps",
         "ppo.init_kl_coef", "ppo.max_nonfinite_skips", "checkpoint.interval", "reward.retries")},

@@ -192,3 +192,20 @@ def test_steps_are_checked_and_factories_not_instances():
     assert isinstance(env_factory(ToolEnv, {"tools": [add]})(), ToolEnv)
     with pytest.raises(TypeError, match="has no reset"):
         env_factory(lambda: 3)()
+
+
+def test_env_config_keys_are_checked():
+    from rallyrl.config import ConfigError, load_config
+
+    cfg = load_config({"env": {"factory": "rallyrl.rollout.env:ToolEnv", "kwargs": {"tools": []}, "max_turns": 3,
+                               "turn_rewards": "per_turn", "on_template_drift": "fork"},
+                       "rollout": {"max_episode_tokens": 512}})
+    assert cfg.env.max_turns == 3 and cfg.rollout.max_episode_tokens == 512
+    for bad, key in [({"env": {"max_turns": 0}}, "env.max_turns"), ({"env": {"tool_timeout_s": 0}}, "env.tool_timeout_s"),
+                     ({"env": {"on_tool_error": "ignore"}}, "env.on_tool_error"),
+                     ({"rollout": {"max_episode_tokens": 0}}, "rollout.max_episode_tokens"),
+                     ({"env": {"max_concurrent_tools": 0}}, "env.max_concurrent_tools")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(bad)
+    with pytest.raises(ConfigError, match="fork with model.sharding: fsdp"):
+        load_config({"env": {"on_template_drift": "fork"}, "model": {"sharding": "fsdp"}, "ppo": {"micro_batch_size": 2}})
