@@ -240,6 +240,10 @@ def releases_run_dir_lock(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None  # strict JSON has no NaN/inf: a non-finite value is written as null
+    if isinstance(v, dict):  # an episode's transcript (a tool's arguments may hold anything JSON parses)
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
     return v
 
 
@@ -827,6 +831,8 @@ class RunLog:
         recs = [{"step": step, "rank": rank, "index": i, "group": ro.group[k], "prompt": p, "output": o,
                  "reward": totals[k], "advantage": advantages[k], "kl": kls[k]}
                 for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
+        if ro.episodes:
+            recs = episode_records(recs, ro.episodes)
         gathered = dist.gather_objects(recs, dst=0)
         if self.writer and gathered:
             self.writer.log_rollouts([r for part in gathered for r in part])
@@ -866,6 +872,26 @@ class RunLog:
         if self.writer:
             self.writer.close()
             self.writer = None
+
+
+def episode_records(rows: list[dict[str, Any]], transcripts: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Multi-turn episodes: one record per EPISODE from its rows' records (several after a fork): the
+    episode's reward (summed over its rows), its first row's advantage, its KL (summed), and its
+    transcript under ``episode`` (each turn's text, token counts, tool calls with results, the
+    environment's messages and reward; ``truncated``, ``forks``)."""
+    out: list[dict[str, Any]] = []
+    for rec, t in zip(rows, transcripts):
+        if out and out[-1]["index"] == rec["index"] and "episode" not in out[-1]:  # a later row of the same episode
+            prev = out[-1]
+            prev["reward"] += rec["reward"]
+            prev["kl"] = None if prev["kl"] is None else prev["kl"] + rec["kl"]
+        else:
+            out.append(dict(rec))
+        if t is not None:  # the episode's last row carries its transcript
+            out[-1]["episode"] = {
+                "turns": [{k: v for k, v in turn.items() if k != "token_ids"} for turn in t["turns"]],
+                "truncated": t["truncated"], "forks": t["forks"]}
+    return out
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

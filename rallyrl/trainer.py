@@ -41,6 +41,7 @@ from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, StepStats
 from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
+from .rollout.env import EnvRunner, EnvSetup
 from .seeding import seed_everything, stream_seed
 from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
@@ -55,16 +56,18 @@ __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages"
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
           prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
-          callbacks: Sequence[Any] | None = None) -> TrainResult:
+          callbacks: Sequence[Any] | None = None, env: Any = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``), like ``trlx.train``; every rank
     calls it. ``reward_fn``, ``prompts``, ``eval_prompts``, ``metric_fn`` override ``reward.fn``, ``data.*``,
-    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); docs/data.md, docs/tracking.md."""
+    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); docs/data.md, docs/tracking.md.
+    ``env`` (overrides ``env.factory``): the environment of multi-turn episodes, a class or a function
+    that returns a fresh environment per episode (docs/environments.md)."""
     cfg = load_config(config, list(overrides or []))
-    inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
+    inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts, env)
     evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals), lock=True)  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding, cfg.train.mixed_precision)
-    with _reward_host(cfg, inp) as reward_step:  # a `reward.server: local` starts now, stops however this ends
+    with _reward_host(cfg, inp) as reward_step, _environment(cfg, inp) as env:  # both end however this ends
         models, learner, state = _build(cfg, inp, device)
         resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
         engine, spec = _engine(cfg, models, state, device)  # generation: the policy's own weights (HF)
@@ -72,7 +75,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                      TrainResult(run_dir.path), callbacks)
         log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
         reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
-        run_eval = functools.partial(_evaluate, models, engine, reward_step, inp, cfg, device, log)
+        run_eval = functools.partial(_evaluate, models, engine, reward_step, inp, cfg, device, log, env)
         try:
             reward_step.open()  # `reward.server: local`: rank 0 waits for its server to answer (a collective)
             if resumed_from is None and 0 in evals:
@@ -82,7 +85,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
                 # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
                 shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
-                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device)
+                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device, env)
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
                 # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
@@ -188,10 +191,30 @@ def _engine(cfg: Config, models: LoadedModels, state: TrainState,
 
 
 def _evaluate(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs, cfg: Config,
-              device: torch.device, log: RunLog, step: int) -> dict[str, float]:
+              device: torch.device, log: RunLog, env: EnvSetup | None, step: int) -> dict[str, float]:
     spec = SamplingSpec.of(cfg.generation, cfg.eval.do_sample, models.tokenizer)
     return log.eval(step, *evaluate(engine, models.tokenizer, reward_step, inp.eval_set, inp.metric_fn, spec,
-                                    cfg.rollout.chunk_size, cfg.eval.samples_per_prompt))
+                                    cfg.rollout.chunk_size, cfg.eval.samples_per_prompt, env))
+
+
+@contextlib.contextmanager
+def _environment(cfg: Config, inp: Inputs) -> Iterator[EnvSetup | None]:
+    """Multi-turn episodes' environment settings and this process's tool runner (its event-loop thread
+    stops on exit); None for single-turn episodes. Each episode's environment comes from ``inp.env``.
+    The budget of a row is ``rollout.max_episode_tokens``, never more than the model's positions; a
+    turn's steps may take at most ``dist.timeout_s`` (the time the other ranks would wait)."""
+    if inp.env is None:
+        yield None
+        return
+    e = cfg.env
+    budget = min(x for x in (cfg.rollout.max_episode_tokens, inp.max_positions) if x is not None) \
+        if (cfg.rollout.max_episode_tokens or inp.max_positions) else None
+    runner = EnvRunner(e.tool_timeout_s, e.max_concurrent_tools, e.on_tool_error, turn_timeout_s=cfg.dist.timeout_s)
+    setup = EnvSetup(inp.env, runner, e.max_turns, budget, e.turn_rewards, e.on_template_drift)
+    try:
+        yield setup
+    finally:
+        setup.close()
 
 
 def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str, float], times: dict[str, float],

@@ -32,6 +32,8 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
     beta = state.kl_ctl.value if ppo.kl_in == "reward" else 0.0
     if not ppo.critic_free:
         kl = kl_tok if kl_tok is not None else torch.zeros_like(ro.logprobs)
+        if any(ro.segment):  # a forked episode's earlier rows bootstrap from the row that continues it
+            scores = scores + _fork_bootstrap(ro, ppo.gamma)
         rewards = ops.penalized_rewards(kl, m, beta, scores, dense)  # (B, T)
         adv, returns = ops.gae(rewards, ro.values, m, ppo.gamma, ppo.lam)  # (B, T)
         if ppo.whiten_advantages:
@@ -47,9 +49,13 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
     order = torch.argsort(index)  # global-index order: the same arrays on every rank, whatever the layout
     groups = torch.tensor([g for p in parts for g in p[1]])[order]  # (N,)
     all_scores = torch.tensor([x for p in parts for x in p[2]], dtype=torch.float64)[order]  # (N,)
+    index = index[order]
+    if len(torch.unique(index)) < len(index):  # forked episodes (several rows): one score per episode
+        index, groups, all_scores = _per_episode(index, groups, all_scores)
     adv_all, zero_all, group_std = ops.group_advantages(all_scores, groups, ppo.estimator, ppo.group_scale,
                                                         ppo.group_std_floor)
-    pos = torch.searchsorted(index[order], torch.tensor(ro.global_index, dtype=index.dtype))  # (B,) mine
+    # (B,) mine: each row's episode (the rows of a forked episode share its advantage)
+    pos = torch.searchsorted(index, torch.tensor(ro.global_index, dtype=index.dtype))
     seq_adv, zero = adv_all[pos], zero_all[pos]  # (B,)
     adv = seq_adv.to(ro.logprobs.dtype).unsqueeze(1) * m  # (B, T): the outcome's advantage on every token
     loss_mask = m & ~zero.unsqueeze(1) if ppo.drop_zero_std_groups else m
@@ -59,6 +65,33 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
              "reward/zero_std_groups": n_zero / max(1, int(present.numel())),
              "policy/advantage_abs": float(adv_all.abs().mean())}
     return Advantages(adv, None, seq_kl, loss_mask, seq_adv.tolist(), stats)
+
+
+def _per_episode(index: torch.Tensor, groups: torch.Tensor,
+                 scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows (sorted by global index; a forked episode's rows share it) -> one entry per episode: its index,
+    group and score, the sum of its rows' scores (the episode's score sits on its last row, each row adds
+    its own dense rewards and KL), so the group statistics count episodes, not rows."""
+    uniq, inverse = torch.unique(index, sorted=True, return_inverse=True)  # (E,), (N,)
+    summed = torch.zeros(len(uniq), dtype=torch.float64).index_add(0, inverse, scores)  # (E,)
+    return uniq, torch.zeros(len(uniq), dtype=groups.dtype).scatter(0, inverse, groups), summed
+
+
+def _fork_bootstrap(ro: Rollouts, gamma: float) -> torch.Tensor:
+    """(B,) ``gamma * V(s')`` for each row that a fork continued, where ``s'`` is the first action token
+    of the episode's next row, else 0; added to the row's score, which the reward shaping places on its
+    last action token. The GAE chain of an episode split over rows is then each row's own chain with a
+    bootstrapped end (a truncated trajectory's usual treatment), instead of a terminal 0 mid-episode."""
+    boot = torch.zeros(len(ro))
+    if ro.values is None:
+        return boot
+    at = {(g, s): i for i, (g, s) in enumerate(zip(ro.global_index, ro.segment))}
+    for i, (g, s) in enumerate(zip(ro.global_index, ro.segment)):
+        j = at.get((g, s + 1))
+        if j is not None:
+            first = int(ro.action_mask[j].nonzero()[0])
+            boot[i] = gamma * float(ro.values[j, first])
+    return boot
 
 
 def _scaled_scores(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:

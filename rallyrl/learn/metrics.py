@@ -36,6 +36,8 @@ def iteration_metrics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dic
     if "value_sum" in g:
         out |= _value_metrics(g, W)
     out |= adv.stats  # the estimator's own (grpo/rloo: group statistics; already global)
+    if "ep_turns" in g:
+        out |= _episode_metrics(g)
     if len(names) > 1:
         out.update({f"reward/{k}": g[f"c_{k}"] / n for k in names})
     return out
@@ -46,6 +48,8 @@ def _local_sums(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
     """This rank's sums, reduced over ranks by ``iteration_metrics``. Per-token statistics are over the
     action mask (the sampled tokens); the response length counts every response token."""
     total = ro.total_rewards()  # (B,)
+    if ro.episodes:  # multi-turn: an episode's reward is the sum over its rows (more than one after a fork)
+        total = _per_episode_totals(ro, total)
     m = ro.action_mask
     critic = {}
     if adv.returns is not None and ro.values is not None:
@@ -54,7 +58,8 @@ def _local_sums(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
                   "ret_sum": float(returns.mul(m).sum()), "ret_sq": float(returns.double().pow(2).mul(m).sum()),
                   "res_sum": float(resid.sum()), "res_sq": float(resid.double().pow(2).sum())}
     return {
-        "n": float(len(ro)), "reward_sum": float(total.sum()), "reward_sq": float((total**2).sum()),
+        **(_episode_sums(ro) if ro.episodes else {}),
+        "n": float(len(total)), "reward_sum": float(total.sum()), "reward_sq": float((total**2).sum()),
         "kl_sum": float(adv.seq_kl.sum()) if adv.seq_kl is not None else 0.0,
         "len_sum": float(ro.response_mask.sum()),
         **critic,
@@ -64,6 +69,36 @@ def _local_sums(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
         **{f"u_{k}": v for k, v in upd.items() if k != "time"},
         **{f"c_{n}": float(sum(c.get(n, 0.0) for c in ro.reward_components)) for n in names},
     }
+
+
+def _per_episode_totals(ro: Rollouts, total: "torch.Tensor") -> "torch.Tensor":
+    """(E,) each episode's reward from its rows' (B,) totals (a forked episode's rows share a global index)."""
+    import torch
+
+    index = torch.tensor(ro.global_index)
+    uniq, inverse = torch.unique(index, return_inverse=True)
+    return torch.zeros(len(uniq), dtype=total.dtype).index_add(0, inverse, total)
+
+
+def _episode_sums(ro: Rollouts) -> dict[str, float]:
+    """This rank's sums over its multi-turn episodes (``episode/*``, docs/metrics.md)."""
+    ts = [t for t in ro.episodes if t is not None]
+    calls = [c for t in ts for turn in t["turns"] for c in turn["tool_calls"]]
+    env = ro.response_mask & ~ro.action_mask
+    return {"ep_n": float(len(ts)), "ep_turns": float(sum(len(t["turns"]) for t in ts)),
+            "ep_tool_calls": float(len(calls)), "ep_tool_errors": float(sum(c["error"] is not None for c in calls)),
+            "ep_truncated": float(sum(bool(t["truncated"]) for t in ts)), "ep_forks": float(sum(t["forks"] for t in ts)),
+            "ep_env_reward": float(sum(r for t in ts for r in t["env_rewards"] if r is not None)),
+            "ep_env_tokens": float(env.sum()), "ep_tokens": float(ro.response_mask.sum())}
+
+
+def _episode_metrics(g: dict[str, float]) -> dict[str, float]:
+    """``episode/*`` from the reduced sums: per-episode means and the environment's share of the tokens."""
+    n = max(1.0, g["ep_n"])
+    return {"episode/turns": g["ep_turns"] / n, "episode/tool_calls": g["ep_tool_calls"] / n,
+            "episode/tool_errors": g["ep_tool_errors"] / n, "episode/truncated": g["ep_truncated"] / n,
+            "episode/forks": g["ep_forks"] / n, "episode/env_reward": g["ep_env_reward"] / n,
+            "episode/env_token_fraction": g["ep_env_tokens"] / max(1.0, g["ep_tokens"])}
 
 
 def _policy_metrics(g: dict[str, float], state: TrainState, W: int, with_kl: bool) -> dict[str, float]:

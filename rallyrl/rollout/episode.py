@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..data import MESSAGES_KEY
 from ..seeding import isolated_rng
 from .batch import pad
 from .engine import GenerationEngine, SamplingSpec
@@ -174,6 +175,10 @@ def _start(records: list[dict[str, Any]], prompt_rows: list[int], tokenizer: Any
                                  for env, rec, i in zip(envs, records, prompt_rows)])
     episodes = []
     for env, rec, i, (added, error) in zip(envs, records, prompt_rows, outs):
+        clash = sorted(set(rec) & set(TRANSCRIPT_KWARGS))
+        if clash:
+            raise ValueError(f"prompt {i} has a column {clash[0]!r}, a name multi-turn episodes give the reward "
+                             f"function for the transcript ({', '.join(TRANSCRIPT_KWARGS)}); rename the column")
         if error is not None:
             raise EnvFailure(f"prompt {i} ({type(env).__name__}), reset()", error) from error
         messages = rec["prompt"] if isinstance(rec["prompt"], list) else [{"role": "user", "content": rec["prompt"]}]
@@ -296,3 +301,35 @@ def _episodes(episodes: list[_Episode], tokenizer: Any, spec: SamplingSpec, setu
 def _transcript(e: _Episode) -> dict[str, Any]:
     return {"messages": e.messages, "turns": e.turns, "truncated": e.truncated, "forks": e.forks,
             "env_rewards": [t["reward"] for t in e.turns]}
+
+
+# The transcript as the reward function's keyword arguments (per-sample lists, like metadata columns).
+TRANSCRIPT_KWARGS = ("messages", "turn_texts", "turn_token_ids", "tool_calls", "env_rewards", "truncated")
+
+
+def env_records(texts: list[str], metadata: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prompt records an environment's ``reset`` gets: ``{"prompt": the messages (a conversation) or
+    the text, ...metadata columns}``, as the user wrote the row."""
+    out = []
+    for text, md in zip(texts, metadata):
+        rec = {k: v for k, v in md.items() if k != MESSAGES_KEY}
+        out.append({"prompt": md.get(MESSAGES_KEY) or text, **rec})
+    return out
+
+
+def reward_metadata(metadata: list[dict[str, Any]], transcripts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each episode's metadata plus its transcript under ``TRANSCRIPT_KWARGS`` (the reward function's and
+    ``metric_fn``'s keyword arguments); a prompt column of the same name is an error, never overwritten."""
+    if not transcripts:
+        return metadata
+    out = []
+    for md, t in zip(metadata, transcripts):
+        clash = sorted(set(md) & set(TRANSCRIPT_KWARGS))
+        if clash:
+            raise ValueError(f"the prompts have a column {clash[0]!r}, a name multi-turn episodes give the reward "
+                             f"function for the transcript ({', '.join(TRANSCRIPT_KWARGS)}); rename the column")
+        out.append({**md, "messages": t["messages"], "turn_texts": [x["text"] for x in t["turns"]],
+                    "turn_token_ids": [x["token_ids"] for x in t["turns"]],
+                    "tool_calls": [x["tool_calls"] for x in t["turns"]], "env_rewards": t["env_rewards"],
+                    "truncated": t["truncated"]})
+    return out
