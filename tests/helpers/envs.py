@@ -15,11 +15,13 @@ class Echo:
     for a turn depends on exactly what was said (a deterministic environment). It draws from the global
     RNG on purpose: rallyrl must isolate it (runs stay bit-identical)."""
 
-    def __init__(self, turns: int = 2, fail_on_prompt: str | None = None) -> None:
-        self.turns, self.n, self.fail_on = turns, 0, fail_on_prompt
+    def __init__(self, turns: int = 2, fail_on_prompt: str | None = None, vary: bool = False) -> None:
+        self.turns, self.n, self.fail_on, self.vary = turns, 0, fail_on_prompt, vary
 
     def reset(self, record):
         random.random()
+        if self.vary:  # 1..turns turns, by prompt: ranks run different numbers of turns
+            self.turns = 1 + sum(map(ord, str(record["prompt"]))) % self.turns
         if self.fail_on is not None and self.fail_on in str(record["prompt"]) and os.environ.get("RANK", "0") == "1":
             raise RuntimeError("the board is broken")
         return None
