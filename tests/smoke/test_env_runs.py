@@ -91,3 +91,16 @@ def test_an_environment_needs_a_chat_template_and_a_factory(tiny_model, tiny_cha
         rallyrl.train(_cfg(tiny_chat, tmp_path / "inst"), env=Echo())
     with pytest.raises(rallyrl.ConfigError, match="rollout.max_episode_tokens is the budget of multi-turn episodes"):
         rallyrl.train(base_config(tiny_chat, tmp_path / "single", rollout={"max_episode_tokens": 64}))
+
+
+def test_episodes_scored_by_a_local_reward_server_with_overlap_are_the_same_run(tiny_chat, tmp_path):
+    """The transcript travels to a reward server as JSON metadata; scoring in the background while the next
+    round's episodes run (reward.overlap) changes nothing."""
+    pytest.importorskip("fastapi")
+    env = {"factory": "tests.helpers.envs:Echo", "kwargs": {"turns": 2}}
+    rallyrl.train(_cfg(tiny_chat, tmp_path / "inproc", env=env, rollout={"chunk_size": 2}))
+    rallyrl.train(_cfg(tiny_chat, tmp_path / "served", env=env, rollout={"chunk_size": 2},
+                       reward={"server": "local", "overlap": True}))
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("inproc", "served"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_jsonl(tmp_path / "inproc" / "rollouts.jsonl") == read_jsonl(tmp_path / "served" / "rollouts.jsonl")
