@@ -16,11 +16,13 @@ pytestmark = pytest.mark.dist
 
 
 def _cfg(model, run_dir, env=None, **sections):
-    cfg = base_config(model, run_dir, rollout={"num_rollouts": 6, "chunk_size": 2}, generation={"max_new_tokens": 4},
-                      ppo={"epochs": 1, "num_minibatches": 2, "lr": 1e-3, "init_kl_coef": 0.05},
-                      env={"factory": "tests.helpers.envs:Echo", "kwargs": {"turns": 3, "vary": True, **(env or {})}},
-                      reward={"fn": "tests.helpers.rewards:hashed_with_crashes"}, **sections)
-    return cfg
+    kw = {"rollout": {"num_rollouts": 6, "chunk_size": 2}, "generation": {"max_new_tokens": 4},
+          "ppo": {"epochs": 1, "num_minibatches": 2, "lr": 1e-3, "init_kl_coef": 0.05},
+          "env": {"factory": "tests.helpers.envs:Echo", "kwargs": {"turns": 3, "vary": True, **(env or {})}},
+          "reward": {"fn": "tests.helpers.rewards:hashed_with_crashes"}}
+    for k, v in sections.items():
+        kw[k] = {**kw.get(k, {}), **v}
+    return base_config(model, run_dir, **kw)
 
 
 def test_one_and_two_processes_train_the_same_on_the_same_episodes(tiny_chat, tmp_path):
