@@ -11,6 +11,9 @@ Sections (see benchmarks/README.md):
 - ``reward_phase``: the central reward step against one direct batched call, ``local`` placement, the
   reward server when present, peak RSS per rank (``benchmarks/reward_phase.py``); and ``scaling``:
   world size 1, 2, 3 on the same global work.
+- ``engines``: the two generation engines on the same work (``generation.engine: hf`` vs ``vllm`` float32
+  and bfloat16; generation alone in tokens per CPU-second, a GRPO arithmetic iteration, a shortened
+  learning curve, the engine/trainer disagreement), run from ``.venv-vllm`` (``benchmarks/engines.py``).
 - ``floors``: each phase of a steady iteration (generate, score, update) against a bare-torch floor doing
   the same work, tasks ``randomwalks`` and ``smollm2`` (``benchmarks/floors.py``).
 
@@ -27,6 +30,8 @@ import argparse
 import datetime
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,10 +43,10 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import ENV, BenchError, git_state, machine, versions  # noqa: E402
 
-SECTIONS = ("ppo_vs_trl", "grpo_vs_trl", "reward_phase", "floors")
+SECTIONS = ("ppo_vs_trl", "grpo_vs_trl", "reward_phase", "floors", "engines")
 # the report keys each section writes (reward_phase also writes the scaling runs)
 SECTION_KEYS = {"ppo_vs_trl": ("ppo_vs_trl",), "grpo_vs_trl": ("grpo_vs_trl",),
-                "reward_phase": ("reward_phase", "scaling"), "floors": ("floors",)}
+                "reward_phase": ("reward_phase", "scaling"), "floors": ("floors",), "engines": ("engines",)}
 GOALS = {"ppo_ratio": 2.0, "overhead_ratio": 1.10, "floor_ratio": 1.10}
 
 
@@ -63,7 +68,38 @@ def table(report: dict[str, Any]) -> str:
         _trl_rows(section, report.get(section, {}), add)
     _reward_phase_rows(report, add)
     _floors_rows(report.get("floors"), add)
+    _engines_rows(report.get("engines"), add)
     return "\n".join(lines)
+
+
+def _engines_rows(en: dict[str, Any] | None, add: Any) -> None:
+    """``engines``: tokens per CPU-second (vLLM vs hf), the disagreement, GRPO s/iteration, the short curve."""
+    if not en:
+        return
+    if "error" in en:
+        add(f"| engines | (failed) | {en['error'].splitlines()[0][:120]} | | | |")
+        return
+    gen = en.get("generate", {})
+    for e in ("vllm-float32", "vllm-bfloat16"):
+        if e in gen and "hf" in gen:
+            add(f"| engines.generate | {e}: sampled tokens per CPU-second, 1 thread (median of repeats) | "
+                f"{gen[e]['median']:.1f} | hf {gen['hf']['median']:.1f} | **{gen[e]['ratio_to_hf']:.2f}** | > 1 |")
+    for r in gen.get("runs", []):
+        d = r.get("disagreement")
+        if d and r.get("repeat") == 1:
+            add(f"| engines.disagreement | {r['engine']} vs a float32 trainer: mean / max abs log-prob difference, "
+                f"share of ratios outside [0.9, 1.1]; probe mean | {d['logprob_abs_diff_mean']:.2g} / "
+                f"{d['logprob_abs_diff_max']:.2g}, {d['ratio_outside_0.9_1.1']:.1%}; {r['probe']['mean']:.2g} | | | |")
+    for e, r in (en.get("grpo") or {}).items():
+        it = statistics.median(r["iteration_s"]) if r["iteration_s"] else float("nan")
+        hf = en["grpo"].get("hf")
+        ratio = statistics.median(hf["iteration_s"]) / it if hf and hf["iteration_s"] and it == it else None
+        add(f"| engines.grpo | {e}: arithmetic GRPO s/iteration after the first (1 process) | {it:.1f} | "
+            f"{'hf ' + format(statistics.median(hf['iteration_s']), '.1f') if hf else ''} | "
+            f"{'**' + format(ratio, '.2f') + '** (hf/this)' if ratio else ''} | |")
+    for e, r in (en.get("curve") or {}).items():
+        add(f"| engines.curve | {e}: eval/correct by iteration (shortened run) | "
+            f"{', '.join(f'{k}: {v:.2f}' for k, v in r.get('eval_correct', {}).items())} | | | |")
 
 
 def _floors_rows(fl: dict[str, Any] | None, add: Any) -> None:
@@ -221,6 +257,22 @@ def results_md(report: dict[str, Any], raw: str = "results/latest.json") -> str:
     ])
 
 
+def _run_engines(quick: bool, work: Path) -> dict[str, Any]:
+    """``benchmarks/engines.py`` in .venv-vllm (its own transformers; `make install-vllm`), its JSON back."""
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    out = work / "engines.json"
+    if not python.is_file():
+        return {"error": "no .venv-vllm: run `make install-vllm` (make bench does)"}
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [str(python), str(ROOT / "benchmarks" / "engines.py"), "--out", str(out), "--work", str(work)]
+    done = subprocess.run(cmd + (["--quick"] if quick else []), cwd=ROOT, capture_output=True, text=True)
+    (work / "engines.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return {"error": f"benchmarks/engines.py failed ({done.returncode}); see {work / 'engines.log'}:\n"
+                         + done.stderr[-2000:]}
+    return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke version: few iterations, one repeat")
@@ -267,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             report["reward_phase"] = {"error": str(e)[-2000:]}
             print(f"[bench] reward_phase FAILED: {e}", flush=True)
         report["reward_phase"]["wall_s"] = time.perf_counter() - t1
+    if "engines" in sections:
+        report["engines"] = _run_engines(args.quick, work / "engines")
     if "floors" in sections:
         from benchmarks import floors
 

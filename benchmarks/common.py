@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rallyrl.run.logs import read_jsonl  # (no torch)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Every benchmark process: offline, one torch thread (2 shared cores), quiet libraries.
@@ -101,8 +103,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise BenchError(f"{path} does not exist: the run did not log any iteration")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    rows = [r for r in rows if r.get("step", 1) >= 1]  # step 0 is the evaluation before training
+    rows = [r for r in read_jsonl(path) if r.get("step", 1) >= 1]  # step 0 is the evaluation before training
     if not rows:
         raise BenchError(f"{path} is empty: the run did not log any iteration")
     return rows
@@ -120,8 +121,7 @@ def read_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "rollouts.jsonl"
     if not path.is_file():
         raise BenchError(f"{path} does not exist (train.log_rollouts must be on)")
-    # split on "\n" only: older rollouts.jsonl may hold raw U+2028 / U+0085 inside strings
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    return read_jsonl(path)  # (splits on "\n" only: older rollouts.jsonl may hold raw U+2028 inside strings)
 
 
 def loop_iteration_times(metrics: Sequence[dict[str, Any]]) -> list[float]:

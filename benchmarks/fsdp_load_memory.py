@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks.common` impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import ENV, ROOT, machine  # noqa: E402
+from rallyrl.run.logs import read_jsonl  # noqa: E402
 
 OVERRIDES = ["model.sharding=fsdp", "train.iterations=2", "rollout.num_rollouts=8", "rollout.chunk_size=4",
              "generation.max_new_tokens=8", "ppo.epochs=1", "ppo.num_minibatches=1", "data.eval_prompts=null",
@@ -133,7 +134,7 @@ def main() -> None:
         if proc.returncode != 0:
             raise SystemExit(f"{mode}: exit code {proc.returncode}\n{proc.stderr[-4000:]}")
         ranks = {r: json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(2)}
-        metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_jsonl(out / "run" / "metrics.jsonl")
         runs[mode] = {"wall_s": time.perf_counter() - t0, "ranks": ranks,
                       "metrics_step1": {k: metrics[0][k] for k in ("policy/loss", "value/loss", "policy/grad_norm",
                                                                    "memory/params_bytes", "memory/optimizer_bytes")}}

@@ -32,7 +32,7 @@ def runs(out: Path, device_name: str) -> list[dict]:
 
     import rallyrl
     from rallyrl.testing import build_tiny_gpt2
-    from rallyrl.tracking import read_jsonl
+    from rallyrl.run.logs import read_jsonl
 
     model = build_tiny_gpt2(out / "tiny")
     rows = []

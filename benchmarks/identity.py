@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -129,7 +128,9 @@ def make_run(src: Path, name: str, models: dict[str, Path], out: Path) -> Path:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from rallyrl.run.logs import read_jsonl
+
+    return read_jsonl(path)
 
 
 def record(run_dir: Path) -> dict[str, Any]:

@@ -143,6 +143,7 @@ def training_bench(iterations: int) -> dict:
 
     import yaml
 
+    from rallyrl.run.logs import read_jsonl
     from rallyrl.testing import build_tiny_gpt2
 
     model = build_tiny_gpt2(ROOT / "runs" / "bench" / "tiny-gpt2")
@@ -166,7 +167,7 @@ def training_bench(iterations: int) -> dict:
                                   env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(proc.stderr[-3000:])
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            rows = read_jsonl(run_dir / "metrics.jsonl")
             steady = [r for r in rows if r["step"] >= 2]
             mode = "overlap" if overlap else "sync"
             out[mode] += [r["time/iteration"] for r in steady]

@@ -12,7 +12,7 @@ Every failure ends in one line on stderr and an exit code (``docs/troubleshootin
 - Ctrl-C exits 130 without a traceback; the trainer says where it stopped. SIGTERM and SIGUSR1 (a job
   scheduler's pre-emption) let every rank finish the iteration and write a checkpoint, then exit 143
   (``checkpoint.on_signal``; without it SIGTERM stops at once, also 143);
-- a second job on a run directory in use exits 2 at once, naming the holder (``tracking.RunDirLock``).
+- a second job on a run directory in use exits 2 at once, naming the holder (``run.lock.RunDirLock``).
 
 ``RALLYRL_DEBUG=1`` adds the tracebacks. ``rallyrl train CONFIG --nproc N`` checks the whole config for
 N processes in this process, then starts N workers (``rallyrl.launch``); the same ``rallyrl.cli train``
@@ -68,9 +68,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "train", help="train a model with PPO, as a YAML config describes",
-        description="Train a model with PPO, as the YAML config describes. The whole config is checked "
-                    "before anything starts; Ctrl-C stops every process and says how to resume.")
+        "train", help="train a model with PPO, GRPO or RLOO (ppo.estimator), as a YAML config describes",
+        description="Train a model with PPO, GRPO or RLOO (ppo.estimator), as the YAML config describes. The "
+                    "whole config is checked before anything starts; Ctrl-C stops every process and says how to "
+                    "resume.")
     _add_config_args(p)
     p.add_argument("--nproc", type=_positive_int, default=1, metavar="N",
                    help="how many processes to start on this machine (default 1)")
@@ -89,12 +90,13 @@ def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _train_main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .tracking import RunDir, holding_run_dir_locks
+    from .run.lock import holding_run_dir_locks
+    from .run.rundir import RunDir
 
     cfg = load_config(args.config, args.overrides)  # strict: fails before anything is started
     graceful = cfg.checkpoint.on_signal
     if (args.nproc > 1 or args.nnodes > 1) and not _under_launcher():
-        from .launch import Nodes, launch
+        from .launch import Nodes, before_workers, launch
 
         try:
             nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
@@ -105,7 +107,8 @@ def _train_main(args: argparse.Namespace) -> int:
         with holding_run_dir_locks() as locks:
             # every check a worker makes, for the GLOBAL world size, before any worker exists; a node other
             # than 0 skips the run-dir check: node 0 may already have started writing the shared run_dir
-            preflight(cfg, args.nproc * args.nnodes, quiet=True, run_dir=nodes.node_rank == 0, lock=True)
+            with before_workers(graceful):  # a signal meanwhile: one line, not a silent death
+                preflight(cfg, args.nproc * args.nnodes, quiet=True, run_dir=nodes.node_rank == 0, lock=True)
             worker_args = ["rallyrl.cli", "train", args.config]
             for o in args.overrides:
                 worker_args += ["--set", o]
@@ -157,7 +160,7 @@ def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True, l
     created."""
     from pathlib import Path
 
-    from .tracking import RunDir
+    from .run.rundir import RunDir
 
     if run_dir and lock:
         RunDir.lock(Path(cfg.train.run_dir), cfg, create=False)  # a job already there: refused at once
@@ -174,7 +177,7 @@ def preflight(cfg: Any, nproc: int, quiet: bool = False, run_dir: bool = True, l
         import io
         import warnings
 
-        from .checkpoint import resolve_resume
+        from .run.checkpoint import resolve_resume
 
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO() if quiet else sys.stdout):
             if quiet:
@@ -237,10 +240,13 @@ def _check_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _check_main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    from .tracking import holding_run_dir_locks
+    from .run.lock import holding_run_dir_locks
 
     with holding_run_dir_locks():  # a run in progress there is refused, as for a second `train`
         inp = preflight(cfg, args.nproc, lock=True, dry_run=True)
+    from .trackers import check as check_trackers
+
+    tracked = check_trackers(cfg, reach=True)  # W&B's mode and login, MLflow's store or server (no run started)
     plan = inp.plan
     longest = inp.train_set.longest()  # every training prompt read and checked once (a dry run may take it)
     lines = [
@@ -250,12 +256,13 @@ def _check_main(args: argparse.Namespace) -> int:
         f"{plan.chunk_size} per rank; {plan.epochs} epoch(s) x {plan.num_minibatches} minibatch(es) = "
         f"{plan.optimizer_steps_per_iteration} optimizer steps per iteration, "
         f"{plan.optimizer_steps_per_iteration * cfg.train.iterations} in {cfg.train.iterations} iterations",
-        f"prompts: {len(inp.train_set)} training (longest {longest} tokens), {len(inp.eval_set)} eval",
+        f"prompts: {len(inp.train_set)} training (longest {longest} tokens{inp.train_set.long_summary()}), "
+        f"{len(inp.eval_set)} eval",
         f"reward: {', '.join(f'{f.name} (weight {f.weight:g})' for f in inp.reward_fns)}, placement "
         f"'{cfg.reward.placement}'; eval metric_fn: {'yes' if inp.metric_fn else 'none'}",
         f"model: {cfg.model.path} (config and weight files present; weights not loaded), "
         f"tokenizer vocabulary {len(inp.tokenizer)}",
-    ]
+    ] + ([f"trackers: {'; '.join(tracked)}"] if tracked else [])
     # The resolved config is valid YAML; the report follows as YAML comments, so the output still parses.
     print(cfg.to_yaml(), end="")
     print("\n".join(f"# {line}" for line in lines))
@@ -286,8 +293,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="rallyrl",
-        description="PPO fine-tuning of Hugging Face language models across many processes, with one "
-                    "central reward step.",
+        description="Reinforcement-learning fine-tuning of Hugging Face language models (PPO, GRPO, RLOO) "
+                    "across many processes, with one central reward step.",
         epilog="Run 'rallyrl <command> --help' for a command's options. Set RALLYRL_DEBUG=1 to see "
                "tracebacks with the error messages. Errors and what to do: docs/troubleshooting.md.",
     )
@@ -316,8 +323,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 _FIXES = {
-    "CheckpointError": "drop train.resume to start fresh, set it to auto to resume only when there is a "
-                       "valid checkpoint, or name a checkpoint folder under train.run_dir/checkpoints/",
+    "CheckpointError": "resume from the newest valid checkpoint with --set train.resume=auto, or start over with "
+                       "--set train.resume=auto --set train.overwrite=true (it removes only rallyrl's own files)",
     "FileNotFoundError": "check the path; relative paths are read from the working directory",
     "PermissionError": "choose a path you can write to, or change its permissions",
 }
@@ -329,7 +336,7 @@ def describe(e: BaseException, user_errors: tuple[type[BaseException], ...]) -> 
         text = str(e).strip() or type(e).__name__
         if isinstance(e, OSError) and e.filename is not None:
             text = f"{e.strerror or type(e).__name__}: {e.filename}"
-        fix = _FIXES.get(type(e).__name__)
+        fix = None if "--set " in text else _FIXES.get(type(e).__name__)  # (a message naming its own command)
         if type(e).__name__ == "CheckpointError" and text.startswith("saving"):
             fix = "check that train.run_dir is writable and has space; the last complete checkpoint is intact"
         if fix and fix not in text:

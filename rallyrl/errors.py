@@ -115,6 +115,13 @@ class EpisodeError(StageError):
     what = "environment"
 
 
+class EngineError(StageError):
+    """The generation engine (``generation.engine: vllm``) could not start, generate, take a weight push in
+    time, or its probe after a push disagreed with the policy (it would sample from other weights)."""
+
+    what = "generation engine"
+
+
 class CollectiveTimeoutError(RuntimeError):
     """A rank waited longer than ``dist.timeout_s`` in a collective: a peer is stuck or dead."""
 

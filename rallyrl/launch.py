@@ -16,7 +16,7 @@ container stop) the workers kept running. This launcher keeps the job's life in 
   worker as they are, every time (the workers only record them), with no SIGKILL after it: the workers
   finish the iteration, write a checkpoint and exit 143, and so does the launcher. The scheduler's own
   SIGKILL, or a second Ctrl-C, still ends a run that cannot stop;
-- the run-directory lock the launcher took (``tracking.RunDirLock``) is handed to the main rank as an
+- the run-directory lock the launcher took (``run.lock.RunDirLock``) is handed to the main rank as an
   inherited file descriptor, so it is held for as long as either of them lives;
 - a failing worker does not print its error line: it writes it to a report file
   (``rallyrl.cli._report``); the launcher prints the first failure of all ranks once, names its rank
@@ -36,6 +36,7 @@ after ``dist.timeout_s``), and each launcher prints its own first failure naming
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,12 +46,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPORT_DIR_ENV = "RALLYRL_REPORT_DIR"
-# The run-dir lock's descriptor, passed to global rank 0 as "<fd>:<lock file>" (``tracking.RunDirLock``).
+# The run-dir lock's descriptor, passed to global rank 0 as "<fd>:<lock file>" (``run.lock.RunDirLock``).
 LOCK_FD_ENV = "RALLYRL_RUN_DIR_LOCK_FD"
 STOP_TIMEOUT_S = 30.0  # after SIGINT/SIGTERM: how long workers get to stop before SIGKILL
 FAIL_GRACE_S = 10.0  # after the first failure: how long the other ranks get to stop on their own
@@ -74,6 +76,32 @@ def _read_reports(folder: Path) -> dict[int, dict]:
             continue
         out[int(r["rank"])] = r
     return out
+
+
+@contextlib.contextmanager
+def before_workers(graceful: bool) -> Iterator[None]:
+    """The launcher's first seconds (it checks the config, loads the tokenizer and the prompts) before
+    any worker exists: SIGINT, SIGTERM and, with ``graceful`` (``checkpoint.on_signal``), SIGUSR1 stop it
+    with one line instead of killing it silently (Python's default for SIGTERM and SIGUSR1). The exit
+    code is what a later stop gives: 143 for a pre-emption signal with ``graceful``, else 128 + the
+    signal."""
+    from .errors import STOP_SIGNALS, Interrupted, forget_interrupts, interrupt_received, raise_if_interrupted
+
+    caught = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR1,) if graceful else ())
+    previous = {s: signal.signal(s, interrupt_received) for s in caught}
+    try:
+        yield
+        raise_if_interrupted()  # a signal whose exception was dropped on the way (errors.raise_if_interrupted)
+    except Interrupted as e:
+        if graceful and e.signum in STOP_SIGNALS:
+            e.exit_code = 128 + signal.SIGTERM
+        print(f"rallyrl: stopped by {signal.Signals(e.signum).name} before any worker started (while checking the "
+              f"run); nothing was trained: run the same command again to start", file=sys.stderr, flush=True)
+        raise
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        forget_interrupts()
 
 
 def _free_port() -> int:
@@ -146,40 +174,55 @@ def launch(module_args: list[str], nproc: int, nodes: Nodes | None = None, lock:
     """Run ``python -m <module_args>`` as ``nproc`` ranks of one job on this machine (this node's share
     of the job when ``nodes`` spans several); return the exit code (0, the first failing worker's code,
     143 after a pre-emption stop, or 128 + the signal that stopped the job). ``lock``: the run-directory
-    lock (``tracking.RunDirLock``) this launcher holds, passed on to global rank 0. ``graceful``:
+    lock (``run.lock.RunDirLock``) this launcher holds, passed on to global rank 0. ``graceful``:
     ``checkpoint.on_signal``."""
-    from .errors import STOP_SIGNALS
-
     nodes = nodes or Nodes()
-    report_dir = Path(tempfile.mkdtemp(prefix="rallyrl-launch-"))
+    job = _Job(Path(tempfile.mkdtemp(prefix="rallyrl-launch-")), graceful)
     base = dict(os.environ)
     # Split the cores between the processes (the trainer reads it through torch's defaults).
     base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     base.update({"MASTER_ADDR": nodes.master_addr or "127.0.0.1",
-                 "MASTER_PORT": str(nodes.master_port or _free_port()), REPORT_DIR_ENV: str(report_dir)})
-    stop: list[int] = []  # the signals received, in order (not the pre-emption signals of a graceful run)
-    stop_at: list[float] = []
-    preempted: list[int] = []  # SIGTERM/SIGUSR1 received with `graceful`
-    sent_kill = False  # the SIGKILL after STOP_TIMEOUT_S / FAIL_GRACE_S, sent once
-    workers: list[_Worker] = []
+                 "MASTER_PORT": str(nodes.master_port or _free_port()), REPORT_DIR_ENV: str(job.report_dir)})
+    caught = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR1,) if graceful else ())
+    previous = {s: signal.signal(s, job.on_signal) for s in caught}
+    try:
+        job.start(module_args, nproc, nodes, lock, base)
+        job.wait()
+        return job.outcome(nodes)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        shutil.rmtree(job.report_dir, ignore_errors=True)
 
-    def on_signal(signum: int, frame: object) -> None:
-        if graceful and signum in STOP_SIGNALS and not stop:
-            preempted.append(signum)
-            for w in workers:
+
+class _Job:
+    """This launcher's workers and what happened to them: the signals received, the first failure."""
+
+    def __init__(self, report_dir: Path, graceful: bool) -> None:
+        from .errors import STOP_SIGNALS
+
+        self.report_dir, self.stop_signals = report_dir, STOP_SIGNALS if graceful else ()
+        self.workers: list[_Worker] = []
+        self.stop: list[int] = []  # the signals received, in order (not the pre-emption signals of a graceful run)
+        self.stop_at: list[float] = []
+        self.preempted: list[int] = []  # SIGTERM/SIGUSR1 received with `graceful`
+        self.sent_kill = False  # the SIGKILL after STOP_TIMEOUT_S / FAIL_GRACE_S, sent once
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        if signum in self.stop_signals and not self.stop:
+            self.preempted.append(signum)
+            for w in self.workers:
                 if w.proc.poll() is None:
                     _signal_group(w, signum)  # the worker records it; the ranks agree when to stop
             return
-        stop.append(signum)
-        stop_at.append(time.monotonic())
-        for w in workers:
+        self.stop.append(signum)
+        self.stop_at.append(time.monotonic())
+        for w in self.workers:
             if w.proc.poll() is None:
-                _signal_group(w, signum if len(stop) == 1 else signal.SIGKILL)
+                _signal_group(w, signum if len(self.stop) == 1 else signal.SIGKILL)
 
-    caught = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGUSR1,) if graceful else ())
-    previous = {s: signal.signal(s, on_signal) for s in caught}
-    me = os.getpid()
-    try:
+    def start(self, module_args: list[str], nproc: int, nodes: Nodes, lock: Any, base: dict[str, str]) -> None:
+        me = os.getpid()
         for r in range(nproc):
             env = {**base, **worker_env(nproc, nodes, r)}
             fds: tuple[int, ...] = ()
@@ -187,50 +230,52 @@ def launch(module_args: list[str], nproc: int, nodes: Nodes | None = None, lock:
                 env[LOCK_FD_ENV], fds = f"{lock.fd}:{lock.path}", (lock.fd,)
             proc = subprocess.Popen([sys.executable, "-m", *module_args], env=env, start_new_session=True,
                                     preexec_fn=lambda: _die_with(me), pass_fds=fds)
-            workers.append(_Worker(nodes.node_rank * nproc + r, proc))
-            if stop or preempted:  # a signal arrived while starting: the new worker gets it too
-                _signal_group(workers[-1], (stop or preempted)[0])
+            self.workers.append(_Worker(nodes.node_rank * nproc + r, proc))
+            if self.stop or self.preempted:  # a signal arrived while starting: the new worker gets it too
+                _signal_group(self.workers[-1], (self.stop or self.preempted)[0])
+
+    def wait(self) -> None:
+        """Until no worker is left; SIGKILL to the rest once a stop or the first failure is overdue."""
         first_failure_at: float | None = None
         while True:
             now = time.monotonic()
-            for w in workers:
+            for w in self.workers:
                 if w.exited_at is None and w.proc.poll() is not None:
                     w.exited_at = time.time()
                     if w.proc.returncode != 0 and first_failure_at is None:
                         first_failure_at = now
-            alive = [w for w in workers if w.exited_at is None]
+            alive = [w for w in self.workers if w.exited_at is None]
             if not alive:
-                break
-            if first_failure_at is None and _read_reports(report_dir):
+                return
+            if first_failure_at is None and _read_reports(self.report_dir):
                 first_failure_at = now
-            overdue = ((stop and now - stop_at[0] > STOP_TIMEOUT_S)
-                       or (not stop and first_failure_at is not None and now - first_failure_at > FAIL_GRACE_S))
-            if overdue and not sent_kill:
-                sent_kill = True
+            overdue = ((self.stop and now - self.stop_at[0] > STOP_TIMEOUT_S)
+                       or (not self.stop and first_failure_at is not None and now - first_failure_at > FAIL_GRACE_S))
+            if overdue and not self.sent_kill:
+                self.sent_kill = True
                 for w in alive:
                     _signal_group(w, signal.SIGKILL)
             time.sleep(_POLL_S)
-        if stop:
-            return 128 + stop[0]
-        if all(w.proc.returncode == 0 for w in workers):
+
+    def outcome(self, nodes: Nodes) -> int:
+        """The job's exit code, printing the first failure's line when it failed."""
+        if self.stop:
+            return 128 + self.stop[0]
+        if all(w.proc.returncode == 0 for w in self.workers):
             return 0
         preempt_code = 128 + signal.SIGTERM
         # (a worker the signal reached before it could catch it, still starting up, ends by the signal)
-        stopped = {0, preempt_code, *(-s for s in preempted)}
-        if all(w.proc.returncode in stopped for w in workers) and not _read_reports(report_dir):
+        stopped = {0, preempt_code, *(-s for s in self.preempted)}
+        if all(w.proc.returncode in stopped for w in self.workers) and not _read_reports(self.report_dir):
             return preempt_code  # every rank stopped after the same iteration, with a checkpoint
-        for w in workers:  # anything a failed worker started and left behind
+        for w in self.workers:  # anything a failed worker started and left behind
             try:
                 os.killpg(w.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        code, line = _first_failure(workers, _read_reports(report_dir), nodes)
+        code, line = _first_failure(self.workers, _read_reports(self.report_dir), nodes)
         print(line, file=sys.stderr)
         return code
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        shutil.rmtree(report_dir, ignore_errors=True)
 
 
 def _first_failure(workers: list[_Worker], reports: dict[int, dict], nodes: Nodes | None = None) -> tuple[int, str]:

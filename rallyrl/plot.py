@@ -11,7 +11,8 @@ Files written (one figure each; several run dirs share every figure, the legend 
 folder name):
 
 - ``reward.png``: ``reward/mean`` with a ``± reward/std`` band.
-- ``kl.png``: ``policy/kl`` and ``policy/kl_coef``.
+- ``kl.png``: ``policy/kl`` and ``policy/kl_coef`` (not written when no run computed a KL: a run without
+  a reference model, ``ppo.init_kl_coef: 0``, has none).
 - ``eval.png``: every ``eval/*`` metric (only rows that have it; not written when no run has any).
 - ``losses.png``: ``policy/loss`` and ``value/loss``.
 - ``episodes.png``: multi-turn runs only: ``episode/turns``, ``episode/tool_calls`` with
@@ -26,12 +27,13 @@ matplotlib (the ``plot`` extra) is imported only when plotting, with no GUI back
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .run.logs import JsonlError, iter_jsonl
 
 TIME_STAGES = ("time/generate", "time/forward", "time/reward", "time/reward_gather", "time/update", "time/eval")
 
@@ -66,18 +68,12 @@ def load_run(run_dir: str | Path) -> Run:
         if (path / "config.yaml").is_file():
             raise PlotError(f"{path}: no metrics.jsonl yet (the run has not logged an iteration)")
         raise PlotError(f"{path} is not a run directory (it has neither metrics.jsonl nor config.yaml)")
-    text = metrics.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    if text and not text.endswith("\n"):
-        lines = lines[:-1]  # a line still being written (a live or killed run): not a row yet
     by_step: dict[int, dict[str, Any]] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PlotError(f"{metrics}:{lineno} is not valid JSON: {e}") from None
+    try:  # a live or killed run's last line may be half-written: not a row yet
+        rows = list(iter_jsonl(metrics, complete_only=True))
+    except JsonlError as e:
+        raise PlotError(str(e)) from None
+    for lineno, row in rows:
         if not isinstance(row, dict):
             raise PlotError(f"{metrics}:{lineno} is not a JSON object")
         step = row.get("step")
@@ -170,6 +166,8 @@ def _reward_figure(runs: list[Run]):
 
 
 def _kl_figure(runs: list[Run]):
+    if not any(series(run, "policy/kl")[0] for run in runs):
+        return None  # no reference model: no KL, and the coefficient is a flat 0 (an empty figure says nothing)
     fig, axes = _new_figure(1, 2)
     _line_panel(axes[0], runs, "policy/kl")
     _style(axes[0], "policy/kl (per sequence, to the reference)", "KL (nats)")

@@ -43,6 +43,10 @@ def stream_seed(seed: int, stream: str, rank: int | None = None, iteration: int 
       takes its own shard and nothing is drawn twice.
     - ``sampling`` (per rank): generation; ranks given the same prompt must not sample the same response.
     - ``minibatch`` (per rank): each rank's minibatch order over its own samples.
+    - ``engine_sampling`` / ``engine_eval`` (per rank): the base seeds of a separate generation engine's
+      own sampler (``generation.engine: vllm``) for training rollouts and for eval; each request's seed
+      is derived from it, the weight version and the call's place since the last weight push
+      (rollout/vllm.py), so a resumed run asks for the same seeds as the uninterrupted one.
     """
     if iteration is not None and rank is None:
         raise ValueError("stream_seed: only a per-rank stream is re-derived at an iteration")

@@ -17,6 +17,7 @@ nothing here knows whether the policy is a causal LM or a seq2seq model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -27,13 +28,13 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
 from . import dist
-from .config import BatchPlan, Config, PPOConfig, load_config
+from .config import BatchPlan, Config, PPOConfig, engine_logprobs_exact, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
-from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
+from .inputs import Inputs, MetricFn, PromptSet, PromptSource, eval_steps, prepare_inputs
 from .learn.advantages import compute_advantages
+from .learn.engine import engine_correction
 from .learn.metrics import iteration_metrics
 from .learn.state import Learner, TrainState
 from .learn.update import ppo_update
@@ -42,8 +43,11 @@ from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, StepStats
 from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
 from .rollout.env import EnvRunner, EnvSetup
+from .run import checkpoint as ckpt
+from .run.console import RunLog, TrainResult
+from .run.lock import releases_run_dir_lock
+from .run.rundir import RunDir
 from .seeding import seed_everything, stream_seed
-from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
 
@@ -54,14 +58,15 @@ __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages"
 
 @releases_run_dir_lock  # the run-dir lock (main rank, RunDir.check_start) ends with this call, however it ends
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
-          prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
+          prompts: PromptSource | None = None, eval_prompts: PromptSource | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
           callbacks: Sequence[Any] | None = None, env: Any = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``), like ``trlx.train``; every rank
     calls it. ``reward_fn``, ``prompts``, ``eval_prompts``, ``metric_fn`` override ``reward.fn``, ``data.*``,
-    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); docs/data.md, docs/tracking.md.
-    ``env`` (overrides ``env.factory``): the environment of multi-turn episodes, a class or a function
-    that returns a fresh environment per episode (docs/environments.md)."""
+    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); ``prompts`` /
+    ``eval_prompts`` take what ``data.prompts`` takes or a ``datasets.Dataset`` / ``DatasetDict``;
+    docs/data.md, docs/tracking.md. ``env`` (overrides ``env.factory``): the environment of multi-turn
+    episodes, a class or a function that returns a fresh environment per episode (docs/environments.md)."""
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts, env)
     evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()
@@ -70,7 +75,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     with _reward_host(cfg, inp) as reward_step, _environment(cfg, inp) as env:  # both end however this ends
         models, learner, state = _build(cfg, inp, device)
         resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
-        engine, spec = _engine(cfg, models, state, device)  # generation: the policy's own weights (HF)
+        engine, spec = _engine(cfg, models, state, device)  # hf: the policy's own weights; vllm: a pushed copy
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                      TrainResult(run_dir.path), callbacks)
         log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
@@ -85,15 +90,22 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
                 # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
                 shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
-                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device, env)
+                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device,
+                                                     from_generation=cfg.rollout.logprobs_from == "generate", env=env)
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
+                # vllm: the engine/trainer mismatch (engine/*) and ppo.engine_correction on the advantages
+                adv, engine_metrics = engine_correction(ro, adv, cfg.ppo, state.iteration)
                 # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
                 upd = ppo_update(learner, ro, adv, state, cfg.ppo, cfg.generation.temperature,
                                  cfg.generation.max_new_tokens, device)
-                engine.sync(models.policy)  # the next samples come from the updated weights
+                t_sync = time.perf_counter()
+                engine.sync(models.policy)  # the next samples come from the updated weights (vllm: pushed, probed)
+                if hasattr(engine, "stats"):  # an engine with its own copy of the weights (vllm)
+                    engine_metrics |= engine.stats() | {"time/engine_sync": time.perf_counter() - t_sync}
                 # 6. statistics (one all-reduce), KL controller, logs, eval
                 metrics = _statistics(ro, adv, rstats, upd, times, inp, state, learner, models, step, cfg, run_dir)
+                metrics |= engine_metrics
                 log.rollouts(ro, adv.seq_advantages, step, dist.rank())  # unless train.log_rollouts is off
                 if step in evals:
                     metrics |= run_eval(step)
@@ -112,6 +124,8 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             raise
         finally:
             log.close()
+            if hasattr(engine, "close"):
+                engine.close()
     return log.result
 
 
@@ -175,8 +189,7 @@ def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard
     Every rank prepares (reads, renders, tokenizes, checks) all the drawn prompts, not only its own: a
     prompt that is too long or empty then raises the same error naming its row on every rank, at the
     same point, with no collective; and only this iteration's rows stay in memory."""
-    drawn = state.sampler.next(plan.prompts_per_iteration)
-    prompts.prepare(drawn)
+    drawn = prompts.draw(state.sampler, plan.prompts_per_iteration)  # data.long_prompts: skip draws on
     return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
 
 
@@ -184,15 +197,28 @@ def _engine(cfg: Config, models: LoadedModels, state: TrainState,
             device: torch.device) -> tuple[GenerationEngine, SamplingSpec]:
     """The generation engine and the training rollouts' sampling spec. The engine's weight version is the
     number of optimizer phases behind its weights (a resumed run continues the count)."""
-    engine = HFEngine(models.policy, models.tokenizer, device, cfg.generation.prefill_once, version=state.iteration)
-    spec = SamplingSpec.of(cfg.generation, cfg.generation.do_sample, models.tokenizer,
-                           logprobs=cfg.rollout.logprobs_from == "generate")
-    return engine, spec
+    gen = cfg.generation
+    spec = SamplingSpec.of(gen, gen.do_sample, models.tokenizer, logprobs=cfg.rollout.logprobs_from == "generate")
+    if gen.engine == "hf":
+        return HFEngine(models.policy, models.tokenizer, device, gen.prefill_once, version=state.iteration), spec
+    from .rollout.vllm import VLLMEngine
+
+    # The engine's log-probs are recorded whenever they mean what the trainer's do (full vocabulary at the
+    # sampling temperature: config.engine_logprobs_exact; the config refuses what needs them otherwise).
+    exact = engine_logprobs_exact(gen, gen.do_sample)
+    mode = "raw_logprobs" if gen.top_k > 0 or gen.top_p < 1.0 or not gen.do_sample else "processed_logprobs"
+    engine = VLLMEngine.start(models.policy, models.tokenizer, cfg.model.path, gen, cfg.model.dtype, mode, device,
+                              version=state.iteration,
+                              trainer_dtype="bfloat16" if cfg.train.mixed_precision == "bf16" else cfg.model.dtype)
+    return engine, dataclasses.replace(spec, logprobs=exact,
+                                       seed=stream_seed(cfg.train.seed, "engine_sampling", dist.rank()))
 
 
 def _evaluate(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs, cfg: Config,
               device: torch.device, log: RunLog, env: EnvSetup | None, step: int) -> dict[str, float]:
     spec = SamplingSpec.of(cfg.generation, cfg.eval.do_sample, models.tokenizer)
+    if cfg.generation.engine != "hf":  # an engine with its own sampler: its own per-rank eval stream
+        spec = dataclasses.replace(spec, seed=stream_seed(cfg.train.seed, "engine_eval", dist.rank()))
     return log.eval(step, *evaluate(engine, models.tokenizer, reward_step, inp.eval_set, inp.metric_fn, spec,
                                     cfg.rollout.chunk_size, cfg.eval.samples_per_prompt, env))
 
@@ -222,7 +248,7 @@ def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
                 run_dir: RunDir) -> dict[str, float]:
     """The iteration's metrics (one all-reduce), the non-finite guard and the KL controller's update."""
     metrics = iteration_metrics(ro, adv, rstats, upd, [f.name for f in inp.reward_fns], state, inp.plan)
-    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]}
+    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]} | inp.train_set.draw_metrics()
     metrics |= learner.memory(models.reference)  # this rank's bytes (rank 0's are logged)
     _check_finite(metrics, upd, step, cfg.ppo, run_dir)
     if "policy/kl" in metrics:  # no reference (beta 0, fixed): nothing to control

@@ -4,7 +4,7 @@
 ``model.sharding: fsdp``), its optimizer and LR schedule,
 and the guarded optimizer step. ``TrainState``: iteration and step counters, the KL controller, running
 reward moments, the prompt sampler and the per-rank minibatch generator. Weights, optimizer tensors and
-RNG streams go to safetensors in ``rallyrl.checkpoint``; ``TrainState.state_dict`` is the JSON rest.
+RNG streams go to safetensors in ``rallyrl.run.checkpoint``; ``TrainState.state_dict`` is the JSON rest.
 """
 
 from __future__ import annotations

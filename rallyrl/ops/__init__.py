@@ -11,7 +11,8 @@ stacked vector, so a multi-process run pays one collective per statistic
 Rooms: ``logprobs`` (log-probs, entropy, KL estimators), ``stats`` (masked
 sums, means, moments, whitening, running moments), ``advantages`` (reward
 shaping, GAE, group advantages), ``losses`` (loss aggregation, policy and
-value losses), ``control`` (KL controllers, learning-rate schedule). Import
+value losses), ``control`` (KL controllers, learning-rate schedule), ``engine`` (the
+engine/trainer log-prob ratio, its correction weights and statistics). Import
 from here (``from rallyrl import ops; ops.gae(...)``): every public name is
 re-exported.
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 from .advantages import gae, group_advantages, penalized_rewards
 from .common import ReduceFn
+from .engine import ENGINE_CORRECTIONS, engine_log_ratio, engine_mismatch_sums, engine_weights
 from .control import AdaptiveKLController, FixedKLController, lr_multiplier
 from .logprobs import KL_ESTIMATORS, entropy_from_logits, kl_estimate, logprobs_from_logits
 from .losses import LOSS_AGGREGATIONS, aggregate_loss, loss_units, policy_loss, value_loss
@@ -76,4 +78,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "lr_multiplier",
+    "ENGINE_CORRECTIONS",
+    "engine_log_ratio",
+    "engine_weights",
+    "engine_mismatch_sums",
 ]

@@ -55,6 +55,10 @@ class Rollouts:
     # episode spans several rows, all with its global_index; its score sits on its LAST row.
     segment: list[int] = field(default_factory=list)  # the row's place in its episode (0, 1, ... after forks)
     episodes: list[dict[str, Any] | None] = field(default_factory=list)  # the episode's transcript on its last row
+    # A separate engine's (vLLM) sampling log-probs beside the trainer's `logprobs` (B, T), 0 off the action
+    # mask; None when the engine is the trainer (hf) or its log-probs are the old log-probs (`generate`).
+    engine_logprobs: torch.Tensor | None = None
+    versions: list[int] = field(default_factory=list)  # per sample: the engine weight version that sampled it
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -76,6 +80,8 @@ class Rollouts:
         if ep.row_episode:
             return _from_episode_rows(ep, scored, rewards, prompts, metadata, global_index, group_size)
         T = ep.response_ids.shape[1]
+        # the engine's log-probs are kept apart when the trainer computed its own (`forward`)
+        engine_lp = ep.logprobs if ep.logprobs is not None and scored.logprobs is not ep.logprobs else None
         dense = None
         if any(rw.dense is not None for rw in rewards):
             dense = torch.zeros(len(rewards), T)  # (B, T)
@@ -89,7 +95,8 @@ class Rollouts:
             scores=torch.tensor([rw.score for rw in rewards], dtype=torch.float32),
             dense_scores=dense, prompts=list(prompts), outputs=list(ep.outputs), metadata=list(metadata),
             global_index=list(global_index), group=[i // group_size for i in global_index],
-            reward_components=[rw.components for rw in rewards],
+            reward_components=[rw.components for rw in rewards], engine_logprobs=engine_lp,
+            versions=[ep.version] * len(rewards),
         )
 
     @staticmethod
@@ -130,6 +137,7 @@ class Rollouts:
             metadata=joined(lambda p: p.metadata), global_index=joined(lambda p: p.global_index),
             group=joined(lambda p: p.group), reward_components=joined(lambda p: p.reward_components),
             segment=joined(lambda p: p.segment), episodes=joined(lambda p: p.episodes),
+            engine_logprobs=optional(lambda p: p.engine_logprobs), versions=joined(lambda p: p.versions),
         )
 
 
@@ -168,6 +176,7 @@ def _from_episode_rows(ep: "Episodes", scored: "Scored", rewards: Sequence["Rewa
         global_index=[global_index[e] for e in k], group=[global_index[e] // group_size for e in k],
         reward_components=[rewards[e].components if last[i] else {} for i, e in enumerate(k)],
         segment=segment, episodes=[ep.transcripts[e] if last[i] else None for i, e in enumerate(k)],
+        versions=[ep.version] * B,  # generation.engine: hf only (config/validate.py): no engine_logprobs
     )
 
 
@@ -211,17 +220,3 @@ class Shard:
     def round(self, r: int) -> list[int]:
         """The global indices of chunk round ``r`` on this rank (may be empty on some ranks)."""
         return self.indices[r * self.chunk_size : (r + 1) * self.chunk_size]
-
-
-def pad(seqs: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, L) ids and mask; ``left`` for prompts (every response then starts at the same column),
-    right for responses."""
-    lens = [len(x) for x in seqs]
-    width = max(lens, default=0)
-    # One tensor from padded Python lists and a mask from the lengths: one torch call per batch, not two
-    # per row (milliseconds per generation chunk; benchmarks/README.md, floors).
-    rows = [[pad_id] * (width - n) + list(x) if left else list(x) + [pad_id] * (width - n) for x, n in zip(seqs, lens)]
-    ids = torch.tensor(rows, dtype=torch.long).reshape(len(seqs), width)
-    cols, n = torch.arange(width), torch.tensor(lens, dtype=torch.long).reshape(-1, 1)
-    mask = cols >= width - n if left else cols < n  # (B, L)
-    return ids, mask

@@ -21,13 +21,19 @@ from .scoring import score_tokens
 @dist.stage("rollout stage (generation and the central reward step)")
 def collect_rollouts(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, prompts: PromptSet,
                      shard: Shard, spec: SamplingSpec, device: torch.device,
+                     from_generation: bool | None = None,
                      env: EnvSetup | None = None) -> tuple[Rollouts, StepStats, dict[str, float]]:
     """Each chunk round: run its episodes, submit the round to the central reward step, run the
     log-prob/value passes (the policy's part comes from the engine when ``spec.logprobs``:
     ``rollout.logprobs_from: generate``). The rewards are collected once, after the last round (with
     ``reward.overlap`` the reward host scores round r while every rank works on round r + 1; without it
     each round's step is synchronous and ``collect`` only hands its results back). Nothing here draws
-    random numbers but the engine, so both ways give the same rollouts."""
+    random numbers but the engine, so both ways give the same rollouts.
+
+    ``from_generation`` (default ``spec.logprobs``): the engine's log-probs are the old log-probs
+    (``rollout.logprobs_from: generate``). False while ``spec.logprobs`` is set: a separate engine's
+    log-probs are recorded beside the trainer's (``Rollouts.engine_logprobs``)."""
+    from_generation = spec.logprobs if from_generation is None else from_generation
     handles, pending = [], []
     t_start, t_gen, t_fwd = time.perf_counter(), 0.0, 0.0
     for r in range(shard.rounds):
@@ -40,7 +46,7 @@ def collect_rollouts(models: LoadedModels, engine: GenerationEngine, reward_step
         handles.append(reward_step.submit(samples))  # a collective
         t0 = time.perf_counter()
         # every rank calls it (under fsdp it gathers the weights: a collective); None for an empty chunk
-        scored = score_tokens(models.policy, models.reference, ep, spec.temperature, device, spec.logprobs)
+        scored = score_tokens(models.policy, models.reference, ep, spec.temperature, device, from_generation)
         t_fwd += time.perf_counter() - t0
         if scored is not None:
             first = shard.first_index + r * shard.chunk_size

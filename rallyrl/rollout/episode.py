@@ -21,7 +21,7 @@ import torch
 
 from ..data import MESSAGES_KEY
 from ..seeding import isolated_rng
-from .batch import pad
+from .padding import pad
 from .engine import GenerationEngine, SamplingSpec
 from .env import (ChatRenderer, EnvSetup, EnvTimeout, Step, TemplateDrift, TemplateError, ToolEnv, ToolFailure, as_step,
                   tool_schema)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config, kill_when_paused, rallyrl_train, resume_latest, write_config
 
 pytestmark = pytest.mark.dist

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import ROOT, base_config, env, write_config
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import ROOT, base_config, env, rallyrl_train, write_config
 
 pytestmark = pytest.mark.dist

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config, rallyrl_train, write_config
 
 pytestmark = pytest.mark.dist

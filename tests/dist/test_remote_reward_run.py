@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from rallyrl.tracking import read_jsonl  # noqa: E402
+from rallyrl.run.logs import read_jsonl  # noqa: E402
 from tests.helpers.reward_servers import serve_reward_process, stop  # noqa: E402
 from tests.helpers.runs import ROOT, base_config, env, rallyrl_train, write_config  # noqa: E402
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.rewards import build_tiny_classifier, deterministic_score
 from tests.helpers.runs import base_config, rallyrl_train, write_config
 

@@ -1,7 +1,8 @@
 """One run, one writer: while a job trains in a run directory, a second `rallyrl train` on it (fresh,
 `train.overwrite=true`, `train.resume: auto` or `latest`) and `rallyrl check` are refused at once, with
 one line naming the holder and exit code 2, before anything is touched; a SIGKILLed holder is no
-obstacle to the next start."""
+obstacle to the next start. After `kill -9` of the launcher alone, the refusal names the live rank 0
+(issue 28 item 7: it named the dead launcher)."""
 
 import os
 import signal
@@ -38,6 +39,7 @@ def test_a_second_job_is_refused_and_a_killed_holder_is_no_obstacle(tiny_model, 
     first = subprocess.Popen([sys.executable, "-m", "rallyrl.cli", "train", str(path), "--nproc", "2"], cwd=ROOT,
                              env=env(RALLYRL_TEST_SLEEP="1.0"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, start_new_session=True)
+    procs: list[psutil.Process] = []
     try:
         _wait_for(lambda: (run_dir / "checkpoints" / "step_1").is_dir(), 240, "checkpoint step_1", first)
         holder = f"is in use by pid {first.pid} on host {socket.gethostname()} since "
@@ -64,15 +66,30 @@ def test_a_second_job_is_refused_and_a_killed_holder_is_no_obstacle(tiny_model, 
             assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert first.poll() is None  # the first job trains on
 
-        # SIGKILL every process of the first job (launcher and ranks): the kernel drops the lock
-        procs = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+        # kill -9 the launcher alone; its ranks are paused first, so that they are still there to hold the
+        # lock when the next start looks (left alone they would finish the iteration, checkpoint and exit)
+        procs = psutil.Process(first.pid).children(recursive=True)
+        rank0 = next(p for p in procs if p.environ().get("RANK") == "0")
+        for p in procs:
+            p.suspend()
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)  # reaped, as the shell that started it would
+        second = rallyrl_train(path, 2, timeout=120)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+        assert f"is in use by pid {rank0.pid} on host {socket.gethostname()} since " in lines[0], lines
+        assert f"rank 0 of a job whose launcher, pid {first.pid}, is gone" in lines[0], lines
+
+        # SIGKILL every process of the first job (the ranks, without their launcher): the kernel drops the lock
         for p in procs:
             os.kill(p.pid, signal.SIGKILL)
-        first.wait(timeout=30)
         psutil.wait_procs(procs, timeout=30)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
+        for p in procs:  # a failed assertion leaves none of them behind
+            if p.is_running():
+                p.kill()
     newest = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     resumed = rallyrl_train(path, 2, "--set", f"train.iterations={newest + 1}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.rewards import deterministic_score
 from tests.helpers.runs import base_config, rallyrl_train, write_config
 

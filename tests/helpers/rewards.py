@@ -276,7 +276,7 @@ def signalling(**_unused):
 
 
 def _arm(where: str, step: int) -> None:
-    import rallyrl.checkpoint as ckpt
+    import rallyrl.run.checkpoint as ckpt
     import rallyrl.trainer as trainer
 
     if where == "update":

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 import rallyrl
-from rallyrl.tracking import MANIFEST, read_jsonl
+from rallyrl.run.logs import read_jsonl
+from rallyrl.run.rundir import MANIFEST
 from tests.helpers.runs import base_config
 from tests.helpers.trackers import wandb_offline_run
 

@@ -10,7 +10,7 @@ import rallyrl
 from rallyrl.data import load_prompts
 from rallyrl.evaluation import pass_at_k
 from rallyrl.inputs import render_prompts, tokenize_prompts
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config
 
 pytestmark = pytest.mark.smoke

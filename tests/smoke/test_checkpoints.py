@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 import rallyrl
-from rallyrl.checkpoint import CheckpointError, join_tensors, resolve_resume, split_tensors, verify_checkpoint
-from rallyrl.tracking import read_jsonl
+from rallyrl.errors import CheckpointError
+from rallyrl.run.checkpoint import join_tensors, newest_valid, resolve_resume, split_tensors, verify_checkpoint
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config, killed_run_copy
 
 pytestmark = pytest.mark.smoke
@@ -53,8 +54,10 @@ def test_truncated_file_is_refused_and_latest_falls_back(run, tmp_path):
     bad.write_bytes(bad.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"step_3.*policy\.safetensors.*truncated"):
         verify_checkpoint(bad.parent)
-    with pytest.warns(UserWarning, match="skipping invalid checkpoint.*step_3"):
-        assert resolve_resume(run_dir, "latest").name == "step_2"
+    assert resolve_resume(run_dir, "latest").name == "step_2"
+    newest, problems = newest_valid(run_dir / "checkpoints")
+    assert newest.name == "step_2" and [p.name for p, _ in problems] == ["step_3"] and "truncated" in problems[0][1]
+    assert newest_valid(run_dir / "checkpoints", checksums=False)[0].name == "step_2"  # a size is checked without
     with pytest.raises(CheckpointError, match="policy.safetensors"):
         resolve_resume(run_dir, str(bad.parent))  # an explicit path is never silently replaced
 
@@ -74,9 +77,10 @@ def test_checksum_mismatch_and_missing_files(run, tmp_path):
     (step2 / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="manifest.json is missing"):
         verify_checkpoint(step2)
-    with pytest.warns(UserWarning, match="skipping invalid checkpoint"):
-        with pytest.raises(CheckpointError, match="no valid checkpoint"):
-            resolve_resume(run_dir, "latest")
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint in .*checksum mismatch.*manifest.json is missing"):
+        resolve_resume(run_dir, "latest")
+    # the quick look (sizes, no checksums) takes step_3 for valid: only reading it whole finds the mismatch
+    assert newest_valid(run_dir / "checkpoints", checksums=False)[0].name == "step_3"
 
 
 def test_leftover_tmp_folder_is_ignored(run, tmp_path):
@@ -141,7 +145,7 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tiny
     path, the OS reason, the hint), exit 2, no traceback; step_1 stays the newest complete checkpoint."""
     from safetensors import SafetensorError
 
-    import rallyrl.checkpoint as ckpt
+    import rallyrl.run.checkpoint as ckpt
     from rallyrl.cli import main
     from tests.helpers.runs import write_config
 
@@ -167,3 +171,14 @@ def test_a_full_disk_while_saving_is_one_line_and_keeps_the_last_checkpoint(tiny
     assert not any("Traceback" in line or "safetensors" in line for line in err)
     assert [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")] == ["step_1"]
     ckpt.verify_checkpoint(run_dir / "checkpoints" / "step_1")
+
+
+def test_time_based_checkpoints_in_a_real_run(tiny_model, tmp_path):
+    """checkpoint.interval_minutes (the default way: 30) with a tiny interval: a checkpoint after every
+    iteration, bounded by keep_last; resumable like any other."""
+    run_dir = tmp_path / "run"
+    cfg = base_config(tiny_model, run_dir, train={"iterations": 3},
+                      checkpoint={"interval": 0, "interval_minutes": 1e-6, "keep_last": 2})
+    rallyrl.train(cfg)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    verify_checkpoint(run_dir / "checkpoints" / "step_3")

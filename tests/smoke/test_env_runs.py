@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import rallyrl
 from rallyrl.errors import EpisodeError
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.envs import Echo
 from tests.helpers.runs import base_config, killed_run_copy
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import rallyrl
 from rallyrl.errors import NonFiniteError
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import ROOT, base_config, env, write_config
 
 pytestmark = pytest.mark.smoke

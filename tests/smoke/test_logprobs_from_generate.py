@@ -10,7 +10,7 @@ import rallyrl
 from rallyrl.config import GenerationConfig, ModelConfig, load_config
 from rallyrl.models import load_models
 from rallyrl.rollout import score_tokens
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config, killed_run_copy
 from tests.helpers.sampling import generate
 

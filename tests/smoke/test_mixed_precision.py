@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 import rallyrl
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config
 
 pytestmark = pytest.mark.smoke

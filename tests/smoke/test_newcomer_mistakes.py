@@ -94,7 +94,7 @@ CASES = [
     Case("too-many-minibatches", lambda t, m: ({"ppo": {"num_minibatches": 3}}, []),
          ("ppo.num_minibatches=3 exceeds the smallest per-rank batch",)),
     Case("resume-latest-without-checkpoint", lambda t, m: ({}, ["train.resume=latest"]),
-         ("train.resume=latest: no checkpoint in", "(drop train.resume to start fresh, set it to auto")),
+         ("train.resume=latest: no checkpoint in", "; start a new run with --set train.resume=auto")),
     Case("resume-from-missing-folder", lambda t, m: ({}, [f"train.resume={t / 'nope'}"]),
          ("checkpoint not found:", "nope")),
 ]

@@ -10,7 +10,7 @@ from rallyrl import dist, ops
 from rallyrl.config import ConfigError, PPOConfig, load_config
 from rallyrl.models import load_models
 from rallyrl.learn.state import Learner
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.runs import base_config, killed_run_copy
 
 pytestmark = pytest.mark.smoke

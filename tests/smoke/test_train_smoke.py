@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 import rallyrl
-from rallyrl.tracking import read_jsonl
+from rallyrl.run.logs import read_jsonl
 from tests.helpers.rewards import deterministic_score
 from tests.helpers.runs import base_config
 

@@ -456,3 +456,13 @@ def test_running_one_section_keeps_the_others_results():
     md = bench.results_md(merged)
     assert "sections kept from earlier runs (not rerun by this command): ppo_vs_trl (d0), reward_phase (d0)" in md
     assert "| floors.randomwalks | generate:" in md and "| ppo_vs_trl.randomwalks |" in md
+
+
+def test_grpo_arithmetic_vllm_row_differs_only_in_the_declared_engine(tmp_path):
+    from benchmarks import grpo_vs_trl as gv
+
+    cfg = gv.rallyrl_settings(tmp_path / "m", tmp_path / "r", 3, "arithmetic_vllm")
+    trl = gv.trl_grpo_args(run_dir=tmp_path / "r", iterations=3, row="arithmetic_vllm")
+    assert cfg.generation.engine == "vllm"
+    assert gv.same_work_mismatches(cfg, trl) == [f"{gv.ENGINE_KEY}: rallyrl 'vllm' vs TRL 'hf'"]
+    gv.check_same_work(cfg, trl, allowed=(gv.ENGINE_KEY,))  # declared: the row's one difference

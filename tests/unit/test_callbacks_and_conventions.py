@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from rallyrl.callbacks import Callbacks
-from rallyrl.card import base_model, model_card
 from rallyrl.config import load_config
 from rallyrl.errors import CallbackError
-from rallyrl.tracking import RunLog, TrainResult
+from rallyrl.run.card import base_model, model_card
+from rallyrl.run.console import RunLog, TrainResult
 from rallyrl.trainer import num_threads
 
 ROW = {"reward/mean": 0.5, "policy/kl": 0.01, "policy/total_loss": 1.0, "policy/clipfrac": 0.1,
@@ -97,7 +97,7 @@ def test_num_threads_honours_omp_num_threads(monkeypatch):
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_progress_is_plain_lines_unless_stderr_is_a_terminal(tmp_path, monkeypatch, capsys, terminal):
-    monkeypatch.setattr("rallyrl.tracking.stderr_is_terminal", lambda: terminal)
+    monkeypatch.setattr("rallyrl.run.console.stderr_is_terminal", lambda: terminal)
     cfg = load_config({"train": {"progress": True, "iterations": 3}})
     log = RunLog(None, cfg, 0, TrainResult(tmp_path))
     for step in (1, 2, 3):
@@ -133,6 +133,9 @@ def test_model_card_front_matter_and_contents(tmp_path):
     assert "- algorithm: Dr. GRPO (4 completions per prompt, group-normalised baseline, no value head; " \
            "clip range 0.2; 4 epoch(s)" in dr and "no KL penalty (no reference model)" in dr
     assert "dr-grpo" in yaml.safe_load(dr.split("---\n")[1])["tags"]
+    # only a run that trained a value head says it is left out (issue 28 item 7: a GRPO card mentioned one)
+    assert "The value head used in training is not part of this folder." in card
+    assert "value head used in training" not in dr
     assert "- iterations: 7 of 10 (stopped early by the callback EarlyStop.on_iteration), 64 rollouts each, " \
            "on 2 process(es)" in card
     assert "| `reward/mean` | 0.5 |" in card and "| `policy/kl` | 0.01 |" in card

@@ -58,13 +58,14 @@ def test_user_errors_exit_2_runtime_errors_exit_1():
 
 
 def test_checkpoint_errors_are_user_errors_with_the_fix():
-    from rallyrl.checkpoint import CheckpointError
+    from rallyrl.errors import CheckpointError
 
-    code, line = describe(CheckpointError("train.resume=latest: no checkpoint in runs/x/checkpoints"), _user_errors())
+    code, line = describe(CheckpointError("train.resume=latest: no valid checkpoint in runs/x/checkpoints (...)"),
+                          _user_errors())
     assert code == 2
-    assert line == ("rallyrl: error: train.resume=latest: no checkpoint in runs/x/checkpoints (drop "
-                    "train.resume to start fresh, set it to auto to resume only when there is a valid checkpoint, "
-                    "or name a checkpoint folder under train.run_dir/checkpoints/)")
+    assert line == ("rallyrl: error: train.resume=latest: no valid checkpoint in runs/x/checkpoints (...) (resume "
+                    "from the newest valid checkpoint with --set train.resume=auto, or start over with --set "
+                    "train.resume=auto --set train.overwrite=true (it removes only rallyrl's own files))")
 
 
 def test_a_reward_error_shows_its_first_line_and_debug_adds_the_traceback(capsys, monkeypatch):

@@ -93,6 +93,15 @@ def test_no_eval_metrics_means_no_eval_figure(tmp_path):
     assert "eval.png" not in {p.name for p in written} and len(written) == 4
 
 
+def test_no_kl_means_no_kl_figure(tmp_path):
+    """A run without a reference model logs no policy/kl (and a flat kl_coef of 0): no empty kl.png."""
+    rows = [{k: v for k, v in r.items() if k != "policy/kl"} | {"policy/kl_coef": 0.0} for r in rows_with([0.1, 0.2])]
+    written = {p.name for p in plot_runs([write_run(tmp_path / "r", rows)], tmp_path / "out")}
+    assert written == {"reward.png", "losses.png", "time.png"}
+    with_kl = write_run(tmp_path / "k", rows_with([0.1, 0.2]))  # compared with a run that has one: drawn
+    assert "kl.png" in {p.name for p in plot_runs([tmp_path / "r", with_kl], tmp_path / "out2")}
+
+
 def test_several_runs_share_figures_and_get_distinct_labels(tmp_path):
     from matplotlib.figure import Figure
 

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from rallyrl.config import load_config
-from rallyrl.tracking import MANIFEST, RunDir, RunDirError
+from rallyrl.run.lock import RunDirError
+from rallyrl.run.rundir import MANIFEST, RunDir
 
 
 def _cfg(run_dir, **train):
@@ -26,6 +27,14 @@ def _fake_run(run_dir, steps=(1, 2)):
     rd.claim("final", is_dir=True)
     (run_dir / "final" / "model.safetensors").write_bytes(b"x")
     return rd
+
+
+def _fake_checkpoint(run_dir, step):
+    """A checkpoint folder that passes the quick look (a manifest listing no files): no model here."""
+    folder = run_dir / "checkpoints" / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": {}}))
+    return folder
 
 
 def test_users_config_yaml_is_never_replaced(tmp_path):
@@ -77,7 +86,7 @@ def test_a_run_that_completed_no_iteration_counts_as_empty(tmp_path):
 def test_resume_with_a_changed_config_is_refused_then_recorded_when_allowed(tmp_path):
     run = tmp_path / "run"
     _fake_run(run)
-    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    _fake_checkpoint(run, 2)
     changed = load_config({"train": {"run_dir": str(run), "resume": "latest", "iterations": 50},
                            "ppo": {"lr": 2e-3}, "rollout": {"num_rollouts": 32}})
     with pytest.raises(RunDirError) as e:
@@ -104,7 +113,7 @@ def test_resume_auto_starts_fresh_without_a_checkpoint(tmp_path):
     assert not rd.resuming
     run = tmp_path / "run"
     _fake_run(run)
-    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    _fake_checkpoint(run, 2)
     assert RunDir.check_start(run, _cfg(run, resume="auto"), []).resuming
 
 
@@ -155,3 +164,17 @@ def test_sampled_text_with_unicode_line_breaks_stays_one_line_and_survives_trunc
     assert len(lines) == 2 and [json.loads(x)["output"] for x in lines] == [odd, odd]
     rd.truncate_logs(1)
     assert [json.loads(x)["step"] for x in path.read_text(encoding="utf-8").splitlines()] == [1]
+
+
+def test_the_old_import_paths_keep_working():
+    """``rallyrl.tracking`` and ``rallyrl.checkpoint`` moved to ``rallyrl.run``; what users may have
+    imported from them is the same object there."""
+    import rallyrl.checkpoint as old_ckpt
+    import rallyrl.run.checkpoint as ckpt
+    import rallyrl.tracking as old
+    from rallyrl.run import console, lock, logs, rundir
+
+    assert old.RunDir is rundir.RunDir and old.RunLog is console.RunLog and old.TrainResult is console.TrainResult
+    assert old.read_jsonl is logs.read_jsonl and old.RunDirBusyError is lock.RunDirBusyError
+    assert old.releases_run_dir_lock is lock.releases_run_dir_lock and old.RunDirError is lock.RunDirError
+    assert old_ckpt.verify_checkpoint is ckpt.verify_checkpoint and old_ckpt.load_checkpoint is ckpt.load_checkpoint

@@ -13,7 +13,7 @@ from rallyrl import dist
 from rallyrl.cli import _report, _user_errors, describe
 from rallyrl.config import load_config
 from rallyrl.errors import CheckpointError, RunDirWriteError, os_error_of, writing
-from rallyrl.tracking import RunDir
+from rallyrl.run.rundir import RunDir
 
 
 def _enospc(path=None):

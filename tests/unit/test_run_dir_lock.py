@@ -1,4 +1,4 @@
-"""The run-directory lock (``tracking.RunDirLock``) in one process, with no model (ms). A flock belongs to
+"""The run-directory lock (``run.lock.RunDirLock``) in one process, with no model (ms). A flock belongs to
 an open file, so a second acquire in the same process conflicts exactly like a second job; the
 multi-process paths (the launcher's hand-over, a SIGKILLed holder) are in tests/dist/test_run_dir_lock.py."""
 
@@ -11,11 +11,11 @@ import socket
 
 import pytest
 
-from rallyrl import tracking
 from rallyrl.cli import main
 from rallyrl.config import load_config
-from rallyrl.tracking import LOCK_FD_ENV, LOCK_FILE, RunDir, RunDirBusyError, RunDirError, RunDirLock, \
-    holding_run_dir_locks
+from rallyrl.run import lock as run_lock
+from rallyrl.run.lock import LOCK_FD_ENV, LOCK_FILE, RunDirBusyError, RunDirError, RunDirLock, holding_run_dir_locks
+from rallyrl.run.rundir import RunDir
 
 
 def _cfg(run_dir, **train):
@@ -75,10 +75,39 @@ def test_the_main_rank_adopts_its_launchers_lock(tmp_path, monkeypatch):
     adopted = RunDirLock.acquire(run)
     assert adopted.fd == inherited and LOCK_FD_ENV not in os.environ  # taken over once
     launcher.release()
-    with pytest.raises(RunDirBusyError):  # the worker's copy keeps it held after the launcher let go
+    with pytest.raises(RunDirBusyError) as e:  # the worker's copy keeps it held after the launcher let go
         RunDirLock.acquire(run)
     adopted.release()
     RunDirLock.acquire(run).release()
+    # the lock file names the launcher (here: alive, this very process) and its rank 0
+    assert f"is in use by pid {os.getpid()} on host " in str(e.value)
+    assert f"; its rank 0 is pid {os.getpid()})" in str(e.value)
+
+
+def test_a_dead_launchers_lock_names_its_live_rank_0(tmp_path, monkeypatch):
+    """``kill -9`` of the launcher: its workers live on (they finish the iteration and checkpoint) and
+    hold the lock; the refusal names rank 0, which can be waited for or stopped, not the dead pid."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: no such process any more
+    run = tmp_path / "run"
+    run.mkdir()
+    launcher = RunDirLock.acquire(run)
+    info = json.loads((run / LOCK_FILE).read_text())
+    (run / LOCK_FILE).write_text(json.dumps({**info, "pid": dead.pid}))  # as the launcher wrote it
+    monkeypatch.setenv(LOCK_FD_ENV, f"{os.dup(launcher.fd)}:{run / LOCK_FILE}")
+    adopted = RunDirLock.acquire(run)
+    launcher.release()
+    info = json.loads((run / LOCK_FILE).read_text())
+    assert info["pid"] == os.getpid() and info["launcher"] == dead.pid
+    with pytest.raises(RunDirBusyError) as e:
+        RunDirLock.acquire(run)
+    adopted.release()
+    assert str(e.value).startswith(f"train.run_dir {run} is in use by pid {os.getpid()} on host ")
+    assert f"rank 0 of a job whose launcher, pid {dead.pid}, is gone: its workers are stopping)" in str(e.value)
+    assert str(e.value).endswith("wait for that job to end (or stop it), or choose another train.run_dir")
 
 
 def test_a_failed_start_leaves_no_trace_and_a_used_run_dir_keeps_its_lock_file(tmp_path):
@@ -96,7 +125,7 @@ def test_a_lock_file_removed_between_open_and_flock_is_taken_again(tmp_path, mon
     lock on a file nobody else can see."""
     run = tmp_path / "run"
     run.mkdir()
-    real_flock, calls = tracking.fcntl.flock, []
+    real_flock, calls = run_lock.fcntl.flock, []
 
     def flock_after_unlink(fd, op):
         calls.append(op)
@@ -104,7 +133,7 @@ def test_a_lock_file_removed_between_open_and_flock_is_taken_again(tmp_path, mon
             (run / LOCK_FILE).unlink()  # the previous holder's release, right between open and flock
         return real_flock(fd, op)
 
-    monkeypatch.setattr(tracking.fcntl, "flock", flock_after_unlink)
+    monkeypatch.setattr(run_lock.fcntl, "flock", flock_after_unlink)
     lock = RunDirLock.acquire(run)
     assert len(calls) == 2 and os.path.samestat(os.fstat(lock.fd), os.stat(run / LOCK_FILE))
     lock.release()
@@ -115,7 +144,7 @@ def test_a_file_system_without_locks_is_a_clear_error(tmp_path, monkeypatch, cod
     def no_locks(fd, op):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(tracking.fcntl, "flock", no_locks)
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
     with pytest.raises(RunDirError, match=r"without working file locks .*train.lock_run_dir=false"):
         RunDirLock.acquire(tmp_path / "run")
 

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from rallyrl import trackers
 from rallyrl.config import ConfigError, load_config
 from rallyrl.errors import TrackerError
-from rallyrl.tracking import MANIFEST, RunDir
-from rallyrl import trackers
+from rallyrl.run.rundir import MANIFEST, RunDir
+from rallyrl.trackers.mlflow import Mlflow
+from rallyrl.trackers.tensorboard import TensorBoard
 from tests.helpers.runs import ROOT, env
 from tests.helpers.trackers import wandb_offline_run
 
@@ -127,7 +129,7 @@ def test_a_tracker_that_cannot_start_is_a_tracker_error_and_closes_the_files(tmp
     def boom(self, config):
         raise OSError("tracking server unreachable")
 
-    monkeypatch.setattr(trackers.Mlflow, "start", boom)
+    monkeypatch.setattr(Mlflow, "start", boom)
     cfg = _cfg(tmp_path, report_to=["mlflow"])
     rd = RunDir.check_start(tmp_path, cfg, [])
     with pytest.raises(TrackerError, match=r"starting the trackers \(train.report_to\) failed on rank 0: "
@@ -136,7 +138,7 @@ def test_a_tracker_that_cannot_start_is_a_tracker_error_and_closes_the_files(tmp
 
 
 def test_a_tracker_failing_mid_run_is_dropped_with_a_warning(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(trackers.TensorBoard, "log", lambda self, step, m: 1 / 0)
+    monkeypatch.setattr(TensorBoard, "log", lambda self, step, m: 1 / 0)
     cfg = _cfg(tmp_path, tensorboard=True)
     w = RunDir.check_start(tmp_path, cfg, []).open(cfg, None, 0)
     w.log_metrics(1, {"reward/mean": 1.0})
@@ -159,3 +161,76 @@ def test_a_resume_whose_mlflow_run_is_elsewhere_starts_a_new_one(tmp_path, monke
     new = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     assert new["run_id"] != old and new["tracking_uri"] == f"file:{tmp_path / 'b'}"
     assert f"the MLflow run {old} of this run directory is not in" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """An environment with no W&B login anywhere wandb looks (its variables, netrc, settings files)."""
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_DISABLED", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    return tmp_path
+
+
+def test_wandb_online_without_a_login_is_refused_before_anything_starts(no_wandb_login, monkeypatch):
+    """Issue 28 item 7: it failed only in wandb.init, after ~40 s of start-up (and `check` passed)."""
+    run = no_wandb_login / "run"
+    cfg = _cfg(run, report_to=["wandb"])
+    with pytest.raises(ConfigError) as e:
+        RunDir.check_start(run, cfg, [])
+    assert str(e.value).startswith("train.report_to: wandb logs online (WANDB_MODE=online) but finds no W&B login "
+                                   "for https://api.wandb.ai: run `wandb login`, set WANDB_API_KEY, or log offline "
+                                   "with WANDB_MODE=offline")
+    # each way wandb finds a login, or needs none, passes
+    (no_wandb_login / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert trackers.check(cfg) == [f"wandb: online to https://api.wandb.ai, login from {no_wandb_login / 'netrc'}"]
+    (no_wandb_login / "netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert trackers.check(cfg) == ["wandb: online to https://api.wandb.ai, login from WANDB_API_KEY"]
+    monkeypatch.delenv("WANDB_API_KEY")
+    (no_wandb_login / "wandb-config").mkdir()
+    (no_wandb_login / "wandb-config" / "settings").write_text("[default]\nmode = offline\n")  # `wandb offline`
+    assert trackers.check(cfg)[0].startswith("wandb: offline (no login needed")
+    monkeypatch.setenv("WANDB_MODE", "online")  # the variable wins over the settings file
+    with pytest.raises(ConfigError, match="finds no W&B login"):
+        trackers.check(cfg)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert trackers.check(cfg)[0].startswith("wandb: disabled")
+
+
+def test_check_and_train_refuse_wandb_without_a_login_in_one_line(no_wandb_login, capsys, tiny_model):
+    run = no_wandb_login / "run"
+    path = no_wandb_login / "c.yaml"
+    path.write_text(f"model:\n  path: {tiny_model}\ntrain:\n  run_dir: {run}\n  report_to: [wandb]\n"
+                    f"data:\n  prompts: [a, b]\nrollout:\n  num_rollouts: 2\n"
+                    f"reward:\n  fn: tests.helpers.rewards:hashed\n")
+    from rallyrl.cli import main
+
+    for command in ("check", "train"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "finds no W&B login" in err, err
+    assert not run.exists()  # refused before anything was written
+
+
+def test_check_says_where_mlflow_logs_and_whether_it_can(tmp_path, monkeypatch):
+    import socket
+
+    cfg = _cfg(tmp_path / "run", report_to=["mlflow", "tensorboard"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")
+    assert trackers.check(cfg, reach=True) == ["tensorboard: installed", f"mlflow: local store file://{tmp_path / 'mlruns'}"]
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    assert trackers.check(cfg) == ["tensorboard: installed", "mlflow: installed"]  # train: no connection tried
+    with pytest.raises(ConfigError, match=rf"mlflow cannot reach its tracking server http://127.0.0.1:{port} "
+                                          rf"\(MLFLOW_TRACKING_URI\): .*start the server, fix the variable"):
+        trackers.check(cfg, reach=True)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert trackers.check(cfg, reach=True)[1].endswith("(reachable)")

@@ -13,7 +13,7 @@ import pytest
 
 from rallyrl.config import load_config
 from rallyrl.reward import NamedRewardFn, RewardStep, Samples
-from rallyrl.tracking import RunLog, TrainResult, wait_notice_after_s
+from rallyrl.run.console import RunLog, TrainResult, wait_notice_after_s
 
 
 def _log(tmp_path, progress: bool) -> RunLog:
@@ -47,7 +47,7 @@ def test_plain_log_lines_double_their_interval(tmp_path, monkeypatch, capsys):
 
 def test_a_progress_bar_shows_it_as_its_postfix_and_clears_it(tmp_path, monkeypatch):
     monkeypatch.setenv("RALLYRL_WAIT_NOTICE_S", "0.1")
-    monkeypatch.setattr("rallyrl.tracking.stderr_is_terminal", lambda: True)  # a bar needs a terminal
+    monkeypatch.setattr("rallyrl.run.console.stderr_is_terminal", lambda: True)  # a bar needs a terminal
     log = _log(tmp_path, progress=True)
     seen = []
     with log.waiting("waiting for the reward on rank 0"):

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .config import Config
+from ..config import Config
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _MAX_LIST = 20  # a longer list in the config (inline prompts) is shown as its length
@@ -115,7 +115,8 @@ def model_card(cfg: Config, iterations: int, last: dict[str, float], eval_before
     auto = "AutoModelForSeq2SeqLM" if seq2seq else "AutoModelForCausalLM"
     lines += ["## Use", "", "```python", f"from transformers import {auto}, AutoTokenizer", "",
               f'model = {auto}.from_pretrained("path/to/final")',
-              'tokenizer = AutoTokenizer.from_pretrained("path/to/final")', "```", "",
-              "The value head used in training is not part of this folder.", "",
-              "## Config", "", "```yaml", yaml.safe_dump(_shortened(cfg.to_dict()), sort_keys=False).strip(), "```", ""]
+              'tokenizer = AutoTokenizer.from_pretrained("path/to/final")', "```", ""]
+    if not cfg.ppo.critic_free:  # GRPO and RLOO train no value head: nothing to leave out
+        lines += ["The value head used in training is not part of this folder.", ""]
+    lines += ["## Config", "", "```yaml", yaml.safe_dump(_shortened(cfg.to_dict()), sort_keys=False).strip(), "```", ""]
     return "\n".join(lines)
