@@ -168,8 +168,8 @@ def _check_required(params: list[inspect.Parameter], who: str, style: str, fille
                 f"pass; give the parameter a default (None)")
         have = ", ".join(columns) or "none"
         raise RewardSignatureError(
-            f"{who} ({style} signature) requires the argument {p.name!r}, which is neither an "
-            f"argument rallyrl passes ({', '.join(passed_names(style))}) nor a column of {where} (its columns: "
+            f"{where}: {who} ({style} signature) requires the argument {p.name!r}, which is neither an "
+            f"argument rallyrl passes ({', '.join(passed_names(style))}) nor a data column (its columns: "
             f"{have}); name the column so, or give the parameter a default")
 
 
