@@ -43,6 +43,10 @@ def trlx_fn(samples, prompts, outputs, **kwargs):
     return [0.0] * len(samples)
 
 
+def ambiguous(samples, completions, **kwargs):  # names from both signatures
+    return [0.0] * len(samples)
+
+
 def keywords_only(**kwargs):
     return [float(len(c)) for c in kwargs["completions"]]
 
