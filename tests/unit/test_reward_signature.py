@@ -249,3 +249,28 @@ def test_the_issue_cases_at_start(tiny_model):
                                                    r"'eval.metric_fn'"):
         prepare_inputs(cfg, 1, eval_prompts=[{"prompt": "x", "answer": "1", "tokenizer": 1}],
                        metric_fn=trlx_fn)
+
+
+def test_trls_own_library_functions_run_unchanged():
+    """TRL's library rewards themselves, where TRL is installed (it is not a dependency of rallyrl; the
+    functions above have the same signatures and run everywhere)."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    fns = [NamedRewardFn("think", trl_rewards.think_format_reward),
+           NamedRewardFn("overlong", trl_rewards.get_soft_overlong_punishment(4, 2)),
+           NamedRewardFn("repetition", trl_rewards.get_repetition_penalty_reward(2, -1.0))]
+    s = Samples(["q"] * 2, ["<think>a</think>b", "b b b"], [[1, 2, 3], [7, 7, 7, 7, 7]],
+                [{"prompt_messages": MSGS}, {"prompt_messages": MSGS}])
+    rewards, _ = RewardStep(fns)(s)  # signature None: read from the parameters at the call
+    # think: 1, 0; overlong (max 4, cache 2): 3 tokens -> (2 - 3) / 2 = -0.5, 5 tokens -> -1;
+    # repetition (2-grams, max -1): no repeat -> 0; 4 equal 2-grams -> (1 - 1/4) * -1 = -0.75
+    assert [r.components for r in rewards] == [{"think": 1.0, "overlong": -0.5, "repetition": 0.0},
+                                               {"think": 0.0, "overlong": -1.0, "repetition": -0.75}]
+    try:
+        import math_verify  # noqa: F401  (accuracy_reward needs it)
+    except ImportError:
+        return
+    solution = [r"\frac{1}{3}", "no latex here"]  # an unparseable gold answer: TRL's accuracy_reward says None
+    s = Samples(["q"] * 2, [r"\boxed{\frac{1}{3}}", "x"], [[1], [2]],
+                [{"prompt_messages": MSGS, "solution": sol} for sol in solution])
+    rewards, _ = RewardStep([NamedRewardFn("acc", trl_rewards.accuracy_reward)])(s)
+    assert [(r.scorable, r.total) for r in rewards] == [(True, 1.0), (False, None)]
