@@ -108,7 +108,7 @@ def _object(cls: type, prefix: str) -> dict[str, Any]:
 
 def config_schema() -> dict[str, Any]:
     """The JSON Schema of a rallyrl YAML config (every section, key, type, default, range and doc)."""
-    from .. import __version__
+    from ..version import __version__
 
     root = _object(Config, "")
     for name, s in root["properties"].items():

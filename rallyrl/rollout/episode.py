@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import pad
+from .padding import pad
 from .engine import GenerationEngine, SamplingSpec
 
 
