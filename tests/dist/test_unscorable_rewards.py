@@ -49,7 +49,8 @@ def test_none_reaches_the_rank_that_owns_the_sample_and_gets_advantage_zero(runs
         for g in {r["group"] for r in mine}:
             members = [r for r in mine if r["group"] == g and r["reward"] is not None]
             if len(members) > 1 and len({r["reward"] for r in members}) > 1:
-                mean, std = statistics.mean(r["reward"] for r in members), statistics.stdev(r["reward"] for r in members)
+                values = [r["reward"] for r in members]
+                mean, std = statistics.mean(values), statistics.stdev(values)
                 for r in members:
                     assert r["advantage"] == pytest.approx((r["reward"] - mean) / std, rel=1e-4, abs=1e-5)
                 checked += 1

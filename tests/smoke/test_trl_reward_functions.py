@@ -61,7 +61,8 @@ def test_grpo_with_a_trl_function_and_unscorable_samples(chat_model, tmp_path):
     for c in calls:
         for p, comp, ids, ans in zip(c["prompts"], c["completions"], c["ids"], c["answer"]):
             assert p == by_content[p[0]["content"]]["prompt"] and ans == by_content[p[0]["content"]]["answer"]
-            assert comp == [{"role": "assistant", "content": comp[0]["content"]}] and all(isinstance(t, int) for t in ids)
+            assert comp == [{"role": "assistant", "content": comp[0]["content"]}]
+            assert all(isinstance(t, int) for t in ids)
     rows = read_jsonl(tmp_path / "grpo" / "rollouts.jsonl")
     metrics = {m["step"]: m for m in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")}
     unscorable = [r for r in rows if r["reward"] is None]
@@ -78,7 +79,8 @@ def test_grpo_with_a_trl_function_and_unscorable_samples(chat_model, tmp_path):
         for g in {r["group"] for r in mine}:  # GRPO over each group's scorable members only
             members = [r for r in mine if r["group"] == g and r["reward"] is not None]
             if len(members) > 1 and statistics.stdev(r["reward"] for r in members) > 0:
-                mean, std = statistics.mean(r["reward"] for r in members), statistics.stdev(r["reward"] for r in members)
+                values = [r["reward"] for r in members]
+                mean, std = statistics.mean(values), statistics.stdev(values)
                 for r in members:
                     assert r["advantage"] == pytest.approx((r["reward"] - mean) / std, rel=1e-4, abs=1e-5)
                 checked += 1
