@@ -243,7 +243,8 @@ def _reward_step(cfg: Config, inp: Inputs) -> RewardStep:
     server, remote_options = None, {}
     if r.server == "local":
         # The server must come up before the other ranks give up waiting for it in open()'s broadcast.
-        server = LocalRewardServer(r.fn or "", r.kwargs, r.server_args,
+        signature = ["--signature", r.signature] if r.signature != "auto" else []  # the server calls the function
+        server = LocalRewardServer(r.fn or "", r.kwargs, [*r.server_args, *signature],
                                    startup_timeout_s=min(300.0, 0.8 * cfg.dist.timeout_s))
         remote_options = {"timeout_s": r.timeout_s if r.timeout_s is not None else 60.0, "retries": r.retries}
     return RewardStep(inp.reward_fns, r.placement, r.batch_size, inp.tokenizer, timeout_s=r.timeout_s,

@@ -60,6 +60,13 @@ class RewardConfig:
         "process on 127.0.0.1 (a free port), waits until it answers, sends every reward call there and stops "
         "it when the run ends, also on failure or Ctrl-C. `none`: rallyrl starts no server.",
     )
+    signature: Literal["auto", "trlx", "trl"] = _f(
+        "auto",
+        "How the reward functions are called: `trlx` = `fn(samples, prompts, outputs, **kwargs)` (kwargs: "
+        "`output_token_ids`, `tokenizer`, every data column); `trl` = as TRL's GRPOTrainer, by keyword: "
+        "`fn(prompts=, completions=, completion_ids=, **columns)`; `auto` = read from each function's "
+        "parameter names at start (docs/reward.md, \"Coming from TRL\").",
+    )
     server_args: list[str] = _f(
         [], "With `reward.server: local`: more `rallyrl serve-reward` options, e.g. `[--max-wait-ms, '20']` "
             "(--max-batch, --max-wait-ms, --no-batching, --max-body-mb; the function, host and port are "

@@ -124,6 +124,9 @@ def _check_reward_url(r: RewardConfig) -> None:
     if r.kwargs:
         raise ConfigError("reward.kwargs is for reward.fn; with reward.url use reward.timeout_s, "
                           "reward.retries and reward.protocol")
+    if r.signature != "auto":
+        raise ConfigError(f"reward.signature: {r.signature} is for reward functions that run in this process; with "
+                          f"reward.url the server calls its own function (rallyrl serve-reward --signature)")
     if r.placement == "collective":
         raise ConfigError("reward.url works with reward.placement main or local, not collective "
                           "(every rank would send the whole batch to the server)")

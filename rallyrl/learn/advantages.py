@@ -31,6 +31,11 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
         seq_kl = (ro.logprobs - ro.ref_logprobs).mul(m).sum(1)  # (B,) k1 per sequence (the logged KL)
     beta = state.kl_ctl.value if ppo.kl_in == "reward" else 0.0
     if not ppo.critic_free:
+        if ro.scorable is not None:
+            # A sample without a reward (every function returned None) has no return to learn from: it
+            # is left out of the update (no policy, value or KL loss; not in the whitening statistics).
+            # Its KL still counts in policy/kl (seq_kl above): the policy did sample it.
+            m = m & ro.scorable.unsqueeze(1)  # (B, T)
         kl = kl_tok if kl_tok is not None else torch.zeros_like(ro.logprobs)
         rewards = ops.penalized_rewards(kl, m, beta, scores, dense)  # (B, T)
         adv, returns = ops.gae(rewards, ro.values, m, ppo.gamma, ppo.lam)  # (B, T)
@@ -42,13 +47,18 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
     seq_score = scores.double() + (dense.sum(1).double() if dense is not None else 0.0)  # (B,)
     if kl_tok is not None and beta:
         seq_score = seq_score - beta * kl_tok.sum(1).double()  # TRL RLOO / OpenRLHF: KL in the reward
-    parts = dist.all_gather_objects((ro.global_index, ro.group, seq_score.tolist()))  # every rank's samples
+    # every rank's samples; with a sample without a reward somewhere, also who has one (None otherwise)
+    mine = (ro.global_index, ro.group, seq_score.tolist(), ro.scorable.tolist() if ro.scorable is not None else None)
+    parts = dist.all_gather_objects(mine)
     index = torch.tensor([i for p in parts for i in p[0]])  # (N,)
     order = torch.argsort(index)  # global-index order: the same arrays on every rank, whatever the layout
     groups = torch.tensor([g for p in parts for g in p[1]])[order]  # (N,)
     all_scores = torch.tensor([x for p in parts for x in p[2]], dtype=torch.float64)[order]  # (N,)
+    scorable = None  # (N,) bool: left out of their group's statistics, advantage 0 (TRL #5902)
+    if any(p[3] is not None for p in parts):
+        scorable = torch.tensor([x for p in parts for x in (p[3] or [True] * len(p[0]))])[order]
     adv_all, zero_all, group_std = ops.group_advantages(all_scores, groups, ppo.estimator, ppo.group_scale,
-                                                        ppo.group_std_floor)
+                                                        ppo.group_std_floor, scorable)
     pos = torch.searchsorted(index[order], torch.tensor(ro.global_index, dtype=index.dtype))  # (B,) mine
     seq_adv, zero = adv_all[pos], zero_all[pos]  # (B,)
     adv = seq_adv.to(ro.logprobs.dtype).unsqueeze(1) * m  # (B, T): the outcome's advantage on every token
@@ -65,8 +75,10 @@ def _scaled_scores(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> tuple[tor
     """Scores (B,) and dense rewards (B, T) after ``ppo.reward_scaling`` and ``ppo.reward_clip``."""
     scores, dense = ro.scores.clone(), ro.dense_scores
     if ppo.reward_scaling == "running":
-        # Running std over all ranks (trlx "running" scaling): scale without shifting the mean.
-        state.reward_moments.update(ro.scores, reduce=dist.all_reduce_sum)
+        # Running std over all ranks (trlx "running" scaling): scale without shifting the mean. A sample
+        # without a reward (score 0.0, unused) does not move it.
+        seen = ro.scores if ro.scorable is None else ro.scores[ro.scorable]
+        state.reward_moments.update(seen, reduce=dist.all_reduce_sum)
         scores = scores / max(state.reward_moments.std, 1e-8)
         dense = dense / max(state.reward_moments.std, 1e-8) if dense is not None else None
     if ppo.reward_clip is not None:

@@ -20,10 +20,12 @@ def iteration_metrics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dic
     g = dist.reduce_stats(_local_sums(ro, adv, rstats, upd, names))
     W = plan.world_size
     n = g["n"]
-    mean = g["reward_sum"] / n
+    k = n - g["unscorable"]  # samples with a reward: what reward/mean and reward/std are over
+    mean = g["reward_sum"] / k if k else math.nan
     out = {
         "reward/mean": mean,
-        "reward/std": math.sqrt(max(0.0, g["reward_sq"] / n - mean**2) * n / max(1.0, n - 1)),
+        "reward/std": math.sqrt(max(0.0, g["reward_sq"] / k - mean**2) * k / max(1.0, k - 1)) if k else math.nan,
+        "reward/unscorable": g["unscorable"],
         "reward/calls": g["calls"],
         "reward/samples_per_call": g["samples"] / max(1.0, g["calls"]),
         "time/reward": g["time_reward"],
@@ -36,8 +38,8 @@ def iteration_metrics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dic
     if "value_sum" in g:
         out |= _value_metrics(g, W)
     out |= adv.stats  # the estimator's own (grpo/rloo: group statistics; already global)
-    if len(names) > 1:
-        out.update({f"reward/{k}": g[f"c_{k}"] / n for k in names})
+    if len(names) > 1:  # each over the samples the function scored (it returned None for the others)
+        out.update({f"reward/{f}": g[f"c_{f}"] / g[f"k_{f}"] if g[f"k_{f}"] else math.nan for f in names})
     return out
 
 
@@ -46,6 +48,8 @@ def _local_sums(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
     """This rank's sums, reduced over ranks by ``iteration_metrics``. Per-token statistics are over the
     action mask (the sampled tokens); the response length counts every response token."""
     total = ro.total_rewards()  # (B,)
+    if ro.scorable is not None:  # a sample without a reward is not in reward/mean and reward/std
+        total = total[ro.scorable]
     m = ro.action_mask
     critic = {}
     if adv.returns is not None and ro.values is not None:
@@ -63,6 +67,8 @@ def _local_sums(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
         # over ranks means nothing, so it stays out of the reduction.
         **{f"u_{k}": v for k, v in upd.items() if k != "time"},
         **{f"c_{n}": float(sum(c.get(n, 0.0) for c in ro.reward_components)) for n in names},
+        **{f"k_{n}": float(sum(n in c for c in ro.reward_components)) for n in names},
+        "unscorable": float((~ro.scorable).sum()) if ro.scorable is not None else 0.0,
     }
 
 

@@ -55,12 +55,16 @@ class Rollouts:
     # mask; None when the engine is the trainer (hf) or its log-probs are the old log-probs (`generate`).
     engine_logprobs: torch.Tensor | None = None
     versions: list[int] = field(default_factory=list)  # per sample: the engine weight version that sampled it
+    # (B,) bool: the sample has a reward (False: every reward function returned None; its score is 0.0
+    # and unused). None: every sample has one, which is every run whose functions never return None.
+    scorable: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def total_rewards(self) -> torch.Tensor:
-        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards."""
+        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards (0.0 for an
+        unscorable one: read ``scorable``)."""
         dense = self.dense_scores.sum(1).double() if self.dense_scores is not None else 0.0
         return self.scores.double() + dense  # float64: the logged value is the exact sum of the two parts
 
@@ -85,6 +89,8 @@ class Rollouts:
             global_index=list(global_index), group=[i // group_size for i in global_index],
             reward_components=[rw.components for rw in rewards], engine_logprobs=engine_lp,
             versions=[ep.version] * len(rewards),
+            scorable=(None if all(rw.scorable for rw in rewards)
+                      else torch.tensor([rw.scorable for rw in rewards], dtype=torch.bool)),
         )
 
     @staticmethod
@@ -125,6 +131,8 @@ class Rollouts:
             metadata=joined(lambda p: p.metadata), global_index=joined(lambda p: p.global_index),
             group=joined(lambda p: p.group), reward_components=joined(lambda p: p.reward_components),
             engine_logprobs=optional(lambda p: p.engine_logprobs), versions=joined(lambda p: p.versions),
+            scorable=(None if all(p.scorable is None for p in parts) else torch.cat(
+                [p.scorable if p.scorable is not None else torch.ones(len(p), dtype=torch.bool) for p in parts])),
         )
 
 

@@ -181,7 +181,9 @@ class RunLog:
         ``train.log_rollouts: false``."""
         if not self.log_rollouts:
             return
-        totals = ro.total_rewards().tolist()
+        totals: list[float | None] = ro.total_rewards().tolist()
+        if ro.scorable is not None:  # null: the sample has no reward (every reward function returned None)
+            totals = [t if ok else None for t, ok in zip(totals, ro.scorable.tolist())]
         kls = ((ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist() if ro.ref_logprobs is not None
                else [None] * len(ro))
         recs = [{"step": step, "rank": rank, "index": i, "group": ro.group[k], "prompt": p, "output": o,

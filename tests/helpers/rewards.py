@@ -305,3 +305,21 @@ def _arm(where: str, step: int) -> None:
         ckpt._save_split = save_split
     else:
         raise ValueError(f"RALLYRL_TEST_SIGNAL: unknown point {where!r}")
+
+
+def _text(x) -> str:
+    """A TRL prompt or completion as text: a string, or the content of the last message of a list."""
+    return x if isinstance(x, str) else x[-1]["content"]
+
+
+def trl_unscorable(prompts, completions, completion_ids, answer, **kwargs):
+    """A reward function written for TRL (keywords, a data column by name): None (unscorable) for a row
+    without an answer and for about a quarter of the others (decided by the prompt and the completion,
+    so the same wherever it runs), else `deterministic_score`."""
+    _log_call(completions, kwargs)
+    assert len(prompts) == len(completions) == len(completion_ids) == len(answer)
+    out = []
+    for p, c, a in zip(prompts, completions, answer):
+        s = deterministic_score(_text(p), _text(c))
+        out.append(None if a is None or s < 0.25 else s)
+    return out
