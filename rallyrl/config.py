@@ -233,6 +233,17 @@ class RolloutConfig:
         "forward less per chunk; equal to `forward`'s up to float rounding of the KV-cached math (~1e-5 "
         "in float32; more in bf16, where veRL and OpenRLHF recompute for that reason).",
     )
+    dynamic_sampling: bool = _f(
+        False,
+        "DAPO's dynamic sampling (`ppo.estimator: grpo | rloo`): keep drawing `num_rollouts / G` prompts and "
+        "generating their groups until `num_rollouts / G` groups whose rewards are not all equal are collected (or "
+        "`rollout.max_sampling_rounds` rounds are drawn; the batch is then filled with groups left out of the "
+        "loss). The choice is global, the same for any number of processes and reward placement. "
+        "See docs/algorithms.md.",
+    )
+    max_sampling_rounds: int = _f(
+        10, "`rollout.dynamic_sampling`: at most this many rounds of `num_rollouts` samples per iteration."
+    )
 
 
 @dataclass
@@ -292,6 +303,12 @@ class PPOConfig:
         "`grpo`/`rloo`: leave groups whose rewards are all equal (advantage 0) out of the loss and its "
         "normaliser (DAPO's dynamic-sampling filter, without re-sampling).",
     )
+    mask_truncated: bool = _f(
+        False,
+        "Leave responses that `generation.max_new_tokens` cut off (no EOS, no stop sequence) out of the loss and "
+        "its normaliser (DAPO; TRL's `mask_truncated_completions`). They still count in the group statistics "
+        "and in whitening: the baseline estimates the prompt's reward over everything the policy sampled.",
+    )
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = _f(
         "token_mean",
         "How per-token losses become the loss, over the GLOBAL minibatch: `token_mean` (sum / all tokens), "
@@ -302,6 +319,37 @@ class PPOConfig:
     clip_range_high: float | None = _f(
         None, "Upper ratio clip epsilon (DAPO's clip-higher): the ratio is clipped to "
               "[1 - clip_range, 1 + clip_range_high]; null = `clip_range`."
+    )
+    ratio_level: Literal["token", "sequence"] = _f(
+        "token",
+        "The importance ratio of the clipped loss: `token` (per token, PPO/GRPO) or `sequence` (GSPO: the "
+        "sequence's length-normalised ratio `exp(mean over its action tokens of log(pi / pi_old))`, clipped to "
+        "[1 - `ppo.sequence_clip_range`, 1 + `ppo.sequence_clip_range_high`]; pair it with `ppo.loss_aggregation: "
+        "seq_mean_token_mean`, the GSPO paper's objective). See docs/algorithms.md.",
+    )
+    sequence_clip_range: float = _f(
+        3e-4, "`ratio_level: sequence`: the lower clip epsilon of the sequence ratio (the GSPO paper's 3e-4; "
+              "`ppo.clip_range` is the token ratio's and is not read then)."
+    )
+    sequence_clip_range_high: float = _f(
+        4e-4, "`ratio_level: sequence`: the upper clip epsilon of the sequence ratio (the GSPO paper's 4e-4)."
+    )
+    policy_loss: Literal["ppo", "cispo"] = _f(
+        "ppo",
+        "`ppo`: the clipped surrogate (PPO/GRPO). `cispo` (MiniMax-M1): `-sg[clip(r, 1 - cispo_clip_low, 1 + "
+        "cispo_clip_high)] * A * log pi` per token, the importance weight clipped and its gradient stopped, so "
+        "no token leaves the gradient; `ppo.clip_range*` and `ppo.dual_clip` are not used. See docs/algorithms.md.",
+    )
+    cispo_clip_low: float | None = _f(
+        None, "`policy_loss: cispo`: the weight is at least 1 - this; null = no lower bound (the paper's choice)."
+    )
+    cispo_clip_high: float = _f(
+        4.0, "`policy_loss: cispo`: the weight is at most 1 + this (4.0: at most 5, TRL's recommended "
+             "`epsilon_high` 5.0 from the ScaleRL paper)."
+    )
+    dual_clip: float | None = _f(
+        None, "Dual-clip PPO (Ye et al. 2020): on tokens with a negative advantage the loss is capped at "
+              "`-dual_clip * A` (> 1; veRL's `clip_ratio_c`, often 3); null = off."
     )
     clip_range_value: float = _f(0.2, "Value clip range around the rollout values.")
     vf_coef: float = _f(0.1, "Value loss coefficient.")
@@ -355,6 +403,12 @@ class RewardFnSpec:
 
 
 @dataclass
+class OverlongBufferConfig:
+    length: int = _f(0, "Required: the soft zone, in tokens, at the end of `generation.max_new_tokens` (1 .. max_new_tokens).")
+    penalty: float = _f(1.0, "The penalty at `generation.max_new_tokens` tokens (> 0; DAPO's 1.0).")
+
+
+@dataclass
 class RewardConfig:
     fn: str | None = _f(
         None, "Import path of the reward function (`pkg.mod:attr` or `file.py:attr`); or pass `reward_fn=`."
@@ -400,6 +454,13 @@ class RewardConfig:
         [], "With `reward.server: local`: more `rallyrl serve-reward` options, e.g. `[--max-wait-ms, '20']` "
             "(--max-batch, --max-wait-ms, --no-batching, --max-body-mb; the function, host and port are "
             "set by rallyrl).",
+    )
+    overlong_buffer: OverlongBufferConfig | None = _f(
+        None,
+        "DAPO's soft overlong punishment: `{length: L, penalty: p}` adds `-p * clamp(n - (max_new_tokens - L), 0, "
+        "L) / L` to the score of a response of `n` sampled tokens (0 up to `max_new_tokens - L`, then linear down "
+        "to `-p` at `generation.max_new_tokens`), logged as the reward component `reward/overlong`; null = off. "
+        "See docs/algorithms.md.",
     )
 
 
@@ -502,6 +563,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         for arg, e in errors:  # a choice (or a list of choices) says which one was misspelled
             arm = typing.get_args(arg)[0] if typing.get_origin(arg) is list and isinstance(value, list) else arg
             if typing.get_origin(arm) is Literal and (arm is not arg or isinstance(value, str)):
+                raise e from None
+            if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # a section: its own key's error
                 raise e from None
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
@@ -820,6 +883,45 @@ def _check_estimator(cfg: Config) -> None:
         raise ConfigError(f"ppo.group_std_floor must be > 0, got {ppo.group_std_floor}")
     if ppo.clip_range_high is not None and ppo.clip_range_high <= 0:
         raise ConfigError(f"ppo.clip_range_high must be > 0, got {ppo.clip_range_high}")
+    _check_objective(cfg)
+
+
+def _check_objective(cfg: Config) -> None:
+    """The policy loss variants and DAPO's sampling and shaping (docs/algorithms.md)."""
+    ppo, ro = cfg.ppo, cfg.rollout
+    for key in ("sequence_clip_range", "sequence_clip_range_high", "cispo_clip_high", "cispo_clip_low"):
+        v = getattr(ppo, key)
+        if v is not None and v <= 0:
+            raise ConfigError(f"ppo.{key} must be > 0, got {v}")
+    if ppo.dual_clip is not None and ppo.dual_clip <= 1:
+        raise ConfigError(f"ppo.dual_clip must be > 1 (the cap -c * A must lie beyond the clipped loss), got "
+                          f"{ppo.dual_clip}")
+    if ppo.policy_loss == "cispo":
+        for key, unset in (("ratio_level", ppo.ratio_level == "token"), ("dual_clip", ppo.dual_clip is None),
+                           ("clip_range_high", ppo.clip_range_high is None)):
+            if not unset:
+                raise ConfigError(f"ppo.{key}={getattr(ppo, key)!r} does not apply to ppo.policy_loss=cispo (CISPO "
+                                  f"clips a per-token importance weight with ppo.cispo_clip_low/high, not the loss)")
+    if ppo.ratio_level == "sequence" and ppo.clip_range_high is not None:
+        raise ConfigError("ppo.clip_range_high is the token ratio's; with ppo.ratio_level=sequence set "
+                          "ppo.sequence_clip_range_high")
+    if ro.dynamic_sampling and (not ppo.critic_free or ro.samples_per_prompt < 2):
+        raise ConfigError(f"rollout.dynamic_sampling keeps groups whose rewards differ: it needs ppo.estimator grpo "
+                          f"or rloo and rollout.samples_per_prompt >= 2 (got ppo.estimator={ppo.estimator}, "
+                          f"rollout.samples_per_prompt={ro.samples_per_prompt})")
+    if ro.max_sampling_rounds < 1:
+        raise ConfigError(f"rollout.max_sampling_rounds must be >= 1, got {ro.max_sampling_rounds}")
+    ob, n = cfg.reward.overlong_buffer, cfg.generation.max_new_tokens
+    if ob is not None:
+        if not 1 <= ob.length <= n:
+            raise ConfigError(f"reward.overlong_buffer.length must be in [1, generation.max_new_tokens={n}] "
+                              f"(required when reward.overlong_buffer is set), got {ob.length}")
+        if ob.penalty <= 0:
+            raise ConfigError(f"reward.overlong_buffer.penalty must be > 0, got {ob.penalty}")
+        names = [reward_fn_name(f) for f in cfg.reward.fns] + ([cfg.reward.fn.rsplit(":", 1)[-1]] if cfg.reward.fn else [])
+        if "overlong" in names:
+            raise ConfigError("reward.overlong_buffer logs its penalty as the reward component 'overlong': rename the "
+                              "reward function of that name (reward.fns[i].name)")
 
 
 def config_warnings(cfg: Config) -> list[str]:
@@ -828,6 +930,10 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.ppo.kl_in == "loss" and cfg.ppo.kl_estimator == "k1" and cfg.ppo.uses_reference:
         out.append("ppo.kl_in=loss with ppo.kl_estimator=k1: the gradient of k1 in the loss is zero in "
                    "expectation (it does not pull the policy towards the reference); use k3 (GRPO) or k2")
+    if cfg.ppo.ratio_level == "sequence" and cfg.ppo.loss_aggregation != "seq_mean_token_mean":
+        out.append(f"ppo.ratio_level=sequence with ppo.loss_aggregation={cfg.ppo.loss_aggregation}: each sequence's "
+                   f"loss then counts in proportion to its length; the GSPO paper's objective (one term per "
+                   f"sequence) is ppo.loss_aggregation=seq_mean_token_mean (TRL warns the same)")
     if cfg.ppo.critic_free and cfg.model.value_head != "linear":
         out.append(f"model.value_head={cfg.model.value_head} is ignored: ppo.estimator={cfg.ppo.estimator} "
                    f"trains no value head")
@@ -1116,6 +1222,7 @@ def config_markdown() -> str:
             lines += _sub_table("`model.lora`:", LoraConfig, "model.lora.")
         if cls is RewardConfig:
             lines += _sub_table("Each entry of `reward.fns`:", RewardFnSpec, "")
+            lines += _sub_table("`reward.overlong_buffer` (when set):", OverlongBufferConfig, "reward.overlong_buffer.")
     return "\n".join(lines)
 
 

@@ -34,13 +34,16 @@ RANGES: dict[str, dict[str, Any]] = {
         "ppo.clip_range", "ppo.clip_range_value", "ppo.target_kl", "ppo.kl_horizon", "ppo.reward_clip",
         "reward.batch_size", "reward.timeout_s", "checkpoint.keep_last", "dist.timeout_s",
         "model.num_layers_unfrozen", "model.lora.r", "model.lora.alpha", "rollout.samples_per_prompt",
-        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt")},
+        "ppo.group_std_floor", "ppo.clip_range_high", "eval.samples_per_prompt", "ppo.sequence_clip_range",
+        "ppo.sequence_clip_range_high", "ppo.cispo_clip_low", "ppo.cispo_clip_high", "rollout.max_sampling_rounds",
+        "reward.overlong_buffer.length", "reward.overlong_buffer.penalty")},
     **{k: _GE0 for k in (
         "generation.top_k", "train.iterations", "eval.interval", "train.num_threads", "ppo.warmup_steps",
         "ppo.init_kl_coef", "ppo.max_nonfinite_skips", "checkpoint.interval", "reward.retries")},
     "generation.top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "ppo.gamma": {"minimum": 0, "maximum": 1},
     "ppo.lam": {"minimum": 0, "maximum": 1},
+    "ppo.dual_clip": {"exclusiveMinimum": 1},
     "model.lora.dropout": {"minimum": 0, "maximum": 0},
 }
 # Strings and lists the validator bounds, and keys it requires.
@@ -48,7 +51,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "generation.stop_sequences": {"items": {"minLength": 1}},
     "reward.fns[].fn": {"minLength": 1},
 }
-REQUIRED = {"reward.fns[]": ["fn"]}
+REQUIRED = {"reward.fns[]": ["fn"], "reward.overlong_buffer": ["length"]}
 
 
 def _type(tp: Any, key: str) -> dict[str, Any]:
