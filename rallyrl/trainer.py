@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from . import dist
+from . import dist, ops
 from .config import BatchPlan, Config, PPOConfig, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
@@ -41,6 +41,7 @@ from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, StepStats
 from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
+from .rollout.dynamic import sample_groups
 from .seeding import seed_everything, stream_seed
 from .tracking import RunDir, RunLog, TrainResult, releases_run_dir_lock
 
@@ -70,7 +71,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
         engine, spec = _engine(cfg, models, state, device)  # generation: the policy's own weights (HF)
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                      TrainResult(run_dir.path), callbacks)
-        log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
+        log.start(inp.plan, cfg, resumed_from, state.iteration, was_world_size)
         reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
         run_eval = functools.partial(_evaluate, models, engine, reward_step, inp, cfg, device, log)
         try:
@@ -80,9 +81,9 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             for step in range(state.iteration + 1, cfg.train.iterations + 1):
                 t_iter = time.perf_counter()
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
-                # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
-                shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
-                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device)
+                # 1-2. rollouts (G completions of each drawn prompt; DAPO's rounds with rollout.dynamic_sampling)
+                # + the central reward step
+                ro, rstats, times = _rollouts(models, engine, reward_step, inp, state, spec, cfg, device)
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
                 # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
@@ -177,6 +178,29 @@ def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard
     return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
 
 
+def _rollouts(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs,
+              state: TrainState, spec: SamplingSpec, cfg: Config,
+              device: torch.device) -> tuple[Rollouts, StepStats, dict[str, float]]:
+    """The iteration's rollouts: one draw of prompts, or with ``rollout.dynamic_sampling`` DAPO's rounds of
+    draws until the batch holds enough groups whose rewards differ (rollout/dynamic.py). Each round's scores
+    carry ``reward.overlong_buffer``'s penalty before anything reads them."""
+    ob = cfg.reward.overlong_buffer
+
+    def collect(shard: Shard) -> tuple[Rollouts, StepStats, dict[str, float]]:
+        ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device)
+        if ob is not None:  # a reward component of its own (reward/overlong), on every sample
+            lengths = ro.action_mask.sum(1)  # (B,) the tokens the policy sampled
+            ro.add_reward("overlong", ops.overlong_penalty(lengths, cfg.generation.max_new_tokens, ob.length,
+                                                           ob.penalty))
+        return ro, rstats, times
+
+    draw = functools.partial(_next_shard, inp.plan, state, inp.train_set)  # every rank reads the drawn prompts
+    if not cfg.rollout.dynamic_sampling:
+        return collect(draw())
+    return sample_groups(draw, collect, inp.plan, cfg.rollout.max_sampling_rounds, cfg.ppo.reward_clip,
+                         models.tokenizer.pad_token_id)
+
+
 def _engine(cfg: Config, models: LoadedModels, state: TrainState,
             device: torch.device) -> tuple[GenerationEngine, SamplingSpec]:
     """The generation engine and the training rollouts' sampling spec. The engine's weight version is the
@@ -198,7 +222,8 @@ def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
                 inp: Inputs, state: TrainState, learner: Learner, models: LoadedModels, step: int, cfg: Config,
                 run_dir: RunDir) -> dict[str, float]:
     """The iteration's metrics (one all-reduce), the non-finite guard and the KL controller's update."""
-    metrics = iteration_metrics(ro, adv, rstats, upd, [f.name for f in inp.reward_fns], state, inp.plan)
+    names = [f.name for f in inp.reward_fns] + (["overlong"] if cfg.reward.overlong_buffer is not None else [])
+    metrics = iteration_metrics(ro, adv, rstats, upd, names, state, inp.plan)
     metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]}
     metrics |= learner.memory(models.reference)  # this rank's bytes (rank 0's are logged)
     _check_finite(metrics, upd, step, cfg.ppo, run_dir)

@@ -305,3 +305,9 @@ def _arm(where: str, step: int) -> None:
         ckpt._save_split = save_split
     else:
         raise ValueError(f"RALLYRL_TEST_SIGNAL: unknown point {where!r}")
+
+
+def hashed_pass_fail(samples, prompts, outputs, **kwargs):
+    """A verifiable-looking 0/1 reward: 1 for about a quarter of (prompt, output) pairs (`hashed` < 0.25).
+    Groups of 4 then often score all 0 (about 1 in 3): what DAPO's dynamic sampling discards."""
+    return [float(s < 0.25) for s in hashed(samples, prompts, outputs, **kwargs)]
