@@ -251,7 +251,7 @@ def group_advantages(
 def group_spread(scores: Tensor, group_ids: Tensor) -> Tensor:
     """Whether each group id's scores are not all equal: ``(P,)`` bool, ``P = max id + 1``.
 
-    DAPO's dynamic-sampling test (Yu et al. 2025, eq. 11: ``0 < |{o_i correct}| < G``), generalised
+    DAPO's dynamic-sampling test (Yu et al. 2025, section 3.2: ``0 < |{o_i correct}| < G``), generalised
     to any score: a group whose members all scored the same has advantage exactly 0 under
     :func:`group_advantages` and teaches nothing. False for a group of one and for an id without
     samples. Gathered per id (``scatter_reduce``), never by reshaping, like the group statistics.
@@ -271,7 +271,7 @@ def group_spread(scores: Tensor, group_ids: Tensor) -> Tensor:
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by ``penalty``.
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, section 3.4), scaled by ``penalty``.
 
     ``0`` for ``L <= max_len - buffer``, then linear down to ``-penalty`` at ``L = max_len``:
 

@@ -163,7 +163,8 @@ def policy_loss(
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """GSPO's length-normalised sequence log-ratio (Zheng et al. 2025, "Group Sequence Policy
-    Optimization", eq. 7), in its token form (GSPO-token, eq. 13), as veRL's ``loss_mode=gspo``:
+    Optimization", arXiv 2507.18071), in its token form (the paper's GSPO-token), as veRL's
+    ``loss_mode=gspo``:
 
         log s_i = (1 / |y_i|) * sum_t (lp_it - old_lp_it)   over the ACTION tokens of row i
         log s_it = sg[log s_i] + lp_it - sg[lp_it]
@@ -202,7 +203,7 @@ def cispo_loss(
     aggregation: str = "token_mean",
     max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4-5), as a loss: the importance weight is clipped
+    """CISPO (MiniMax-M1, Chen et al. 2025, arXiv 2506.13585), as a loss: the importance weight is clipped
     and its gradient stopped; every token keeps the gradient of its log-prob.
 
     Per token: ``-sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * lp`` with ``r = exp(lp - old_lp)``.

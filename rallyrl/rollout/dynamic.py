@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (Yu et al. 2025, section 3.2, eq. 11): draw prompts and generate their groups
+"""DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2): draw prompts and generate their groups
 until the batch holds ``num_rollouts / G`` groups whose rewards are not all equal.
 
 **Rounds.** A round draws the batch plan's ``num_rollouts / G`` prompts from the shared sampler and runs
