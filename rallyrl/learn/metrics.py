@@ -78,7 +78,7 @@ def _policy_metrics(g: dict[str, float], state: TrainState, W: int, with_kl: boo
         "policy/loss": g["u_pg_loss"] / W / all_steps,
         "policy/clipfrac": g["u_clipfrac_tok"] / utok,
         "policy/approx_kl": g["u_approx_kl_tok"] / utok,
-        "policy/entropy": g["u_entropy_tok"] / utok,
+        "policy/entropy": g["u_entropy_tok"] / max(1.0, g["u_action_tokens"]),
         "policy/total_loss": g["u_loss"] / W / all_steps,
         "policy/grad_norm": g["u_grad_norm"] / W / steps,
         "policy/optimizer_steps": float(state.optimizer_steps),

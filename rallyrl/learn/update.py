@@ -22,7 +22,7 @@ from .state import Learner, TrainState
 
 # Per-micro-batch statistics, summed in one device tensor (no host sync per micro-batch).
 UPDATE_STATS = ("pg_loss", "vf_loss", "kl_loss", "loss", "clipfrac_tok", "vf_clipfrac_tok", "approx_kl_tok",
-                "entropy_tok", "tokens")
+                "entropy_tok", "tokens", "action_tokens")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: 
     t = slice(0, T)
     resp, m = take(ro.response_ids, t), take(ro.response_mask, t)  # (b, T)
     lm = take(adv.loss_mask, t)  # (b, T) the tokens in the loss
+    am = take(ro.action_mask, t)  # (b, T) every sampled token: the entropy is the policy's on all of them
     agg = dict(aggregation=ppo.loss_aggregation, max_len=batch.max_len)
     logits, values = model(take(ro.query_ids, slice(q0, Q)), take(ro.query_mask, slice(q0, Q)), resp, m)
     logits = logits.float() / temperature  # (b, T, V)
@@ -124,9 +125,12 @@ def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: 
             ent = ops.entropy_from_logits(logits)
     dist.backward(loss)
     n = lm.sum().double()
+    # The entropy statistic is over every sampled token, not only those in the loss: with groups left out
+    # of the loss (ppo.drop_zero_std_groups) a batch of such groups would otherwise log 0 (a "collapse").
     return torch.stack([pg.detach().double(), vf.detach().double(), kl_loss.detach().double(),
                         loss.detach().double(), pg_stats["clipfrac"].double() * n, vf_clip.double() * n,
-                        pg_stats["approx_kl"].double() * n, ops.masked_sum(ent.detach(), lm).double(), n])
+                        pg_stats["approx_kl"].double() * n, ops.masked_sum(ent.detach(), am).double(), n,
+                        am.sum().double()])
 
 
 def _policy_loss(ppo: PPOConfig, lp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, lm: torch.Tensor,

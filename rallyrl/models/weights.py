@@ -94,7 +94,6 @@ def empty_lm(auto: Any, path: str, dtype: torch.dtype) -> tuple[nn.Module | None
     its state-dict entries is read from; or (None, None, why) when the folder cannot be read straight into
     shards, in which case the caller loads it the usual way."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoConfig, GenerationConfig
 
     folder = Path(path)
@@ -112,6 +111,18 @@ def empty_lm(auto: Any, path: str, dtype: torch.dtype) -> tuple[nn.Module | None
     if lm.can_generate() and (folder / "generation_config.json").is_file():
         # from_pretrained reads it too: sampling defaults and special tokens generate() uses
         lm.generation_config = GenerationConfig.from_pretrained(path)
+
+    mapped, in_memory, problem = _map_state(lm, files)
+    if problem:
+        return None, None, f"the weights in {folder} need the conversions of from_pretrained ({problem})"
+    return lm, InitialWeights(mapped, in_memory), ""
+
+
+def _map_state(lm: nn.Module, files: list[Path]) -> tuple[dict[str, tuple[Path, str]], dict[str, torch.Tensor], str]:
+    """Where each state-dict entry of the empty ``lm`` is read from (file, saved name), the persistent
+    buffers the files lack (kept at their built values, as from_pretrained does), and what does not map
+    ("" when everything does)."""
+    from safetensors import safe_open
 
     shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
@@ -152,9 +163,8 @@ def empty_lm(auto: Any, path: str, dtype: torch.dtype) -> tuple[nn.Module | None
             in_memory[f"lm.{key}"] = t.detach()
         else:
             missing.append(key)
-    if missing or wrong:
-        what = (f"shapes differ: {', '.join(wrong[:3])}" if wrong else
-                f"not in its safetensors files under these names: {', '.join(missing[:3])}")
-        return None, None, (f"the weights in {folder} need the conversions of from_pretrained ({what}"
-                            f"{', ...' if len(wrong or missing) > 3 else ''})")
-    return lm, InitialWeights(mapped, in_memory), ""
+    if not (missing or wrong):
+        return mapped, in_memory, ""
+    what = (f"shapes differ: {', '.join(wrong[:3])}" if wrong else
+            f"not in its safetensors files under these names: {', '.join(missing[:3])}")
+    return mapped, in_memory, what + (", ..." if len(wrong or missing) > 3 else "")

@@ -2,8 +2,8 @@
 
 from .client import RemoteReward, RemoteRewardError
 from .hf import HFClassifierError, HFClassifierReward, hf_classifier
-from .step import (Failure, NamedRewardFn, Reward, RewardError, RewardHandle, RewardStep, Samples, StepStats,
-                   concat_shards, micro_batches, split_by_counts)
+from .samples import NamedRewardFn, Reward, Samples, StepStats, concat_shards, micro_batches, split_by_counts
+from .step import Failure, RewardError, RewardHandle, RewardStep
 from .validate import RewardValidationError, validate_rewards
 
 __all__ = ["Failure", "HFClassifierError", "HFClassifierReward", "NamedRewardFn", "RemoteReward",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..config import RewardConfig
-    from .step import NamedRewardFn
+    from .samples import NamedRewardFn
 
 
 class ImportPathError(ValueError):
@@ -96,7 +96,7 @@ def resolve_reward_fns(cfg: "RewardConfig", reward_fn: Any = None) -> list["Name
     """The run's reward functions: ``reward_fn`` (a callable, a ``NamedRewardFn`` or a list of them,
     from the Python API) wins over ``reward.fns`` / ``reward.fn`` in the config."""
     from ..config import ConfigError, reward_fn_name
-    from .step import NamedRewardFn
+    from .samples import NamedRewardFn
 
     if reward_fn is not None:
         if cfg.server == "local":

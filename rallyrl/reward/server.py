@@ -4,7 +4,7 @@ The reward host of a "7+1" layout, a separate reward box, or a reward service sh
 The served function is the same trlx-signature callable the trainer takes (``--fn IMPORT_PATH``, or
 ``--model HF_DIR [--label L]`` for the built-in ``hf_classifier``); every call runs inside
 ``isolated_rng()`` and its output goes through the same ``validate_rewards`` as an in-process reward
-(``score_samples`` of ``reward/step.py`` does both).
+(``score_samples`` of ``reward/scoring.py`` does both).
 
 Endpoints:
 
@@ -32,284 +32,45 @@ invalid reward function gets a 500 carrying its message, and the server keeps se
 
 import argparse
 import asyncio
-import hmac
 import json
 import os
-import queue
-import threading
-import time
-from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
-from .step import NamedRewardFn, Samples, score_samples
+from .batcher import Batcher, BatcherStats
+from .protocol import (TOKEN_ENV, BadRequest, check_token, parse_openrlhf_request, parse_score_request,
+                       read_limited)
+from .samples import NamedRewardFn
 
-TOKEN_ENV = "RALLYRL_REWARD_TOKEN"
-
-
-class BadRequest(ValueError):
-    """A request that does not follow the protocol; ``field`` names what is wrong."""
-
-    def __init__(self, field: str, message: str, status: int = 422) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.status = field, status
-
-
-# ------------------------------------------------------------------------------------------------
-# Request parsing (pure functions: every rule is tested without a server)
-
-
-def _str_list(body: dict[str, Any], key: str, n: int | None) -> list[str]:
-    v = body.get(key)
-    if not isinstance(v, list):
-        raise BadRequest(key, f"expected a list of strings, got {type(v).__name__}")
-    for i, x in enumerate(v):
-        if not isinstance(x, str):
-            raise BadRequest(f"{key}[{i}]", f"expected a string, got {type(x).__name__}")
-    if n is not None and len(v) != n:
-        raise BadRequest(key, f"has {len(v)} items but samples has {n}")
-    return v
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadRequest("body", f"not valid JSON: {e}", 400) from None
-    except RecursionError:
-        raise BadRequest("body", "JSON nested too deeply", 400) from None
-    if not isinstance(body, dict):
-        raise BadRequest("body", f"expected a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _known_keys(body: dict[str, Any], allowed: Sequence[str]) -> None:
-    extra = sorted(set(body) - set(allowed))
-    if extra:
-        raise BadRequest(extra[0], f"unknown field (allowed: {', '.join(allowed)})")
-
-
-def parse_score_request(raw: bytes) -> Samples:
-    """A ``POST /score`` body -> ``Samples`` (``samples[i]`` must equal ``prompts[i] + outputs[i]``)."""
-    body = _json_object(raw)
-    _known_keys(body, ("samples", "prompts", "outputs", "metadata", "output_token_ids"))
-    if "samples" not in body:
-        raise BadRequest("samples", "required")
-    samples = _str_list(body, "samples", None)
-    n = len(samples)
-    prompts = _str_list(body, "prompts", n)
-    outputs = _str_list(body, "outputs", n)
-    for i, (s, p, o) in enumerate(zip(samples, prompts, outputs)):
-        if s != p + o:
-            raise BadRequest(f"samples[{i}]", "must equal prompts[i] + outputs[i]")
-    meta = body.get("metadata", {})
-    if meta is None:
-        meta = {}
-    if not isinstance(meta, dict):
-        raise BadRequest("metadata", f"expected an object of per-sample lists, got {type(meta).__name__}")
-    for col, vals in meta.items():
-        if col in ("output_token_ids", "tokenizer"):
-            raise BadRequest(f"metadata.{col}", "is a reserved keyword argument name")
-        if not isinstance(vals, list):
-            raise BadRequest(f"metadata.{col}", f"expected a list with one value per sample, got {type(vals).__name__}")
-        if len(vals) != n:
-            raise BadRequest(f"metadata.{col}", f"has {len(vals)} values but samples has {n}")
-    ids = body.get("output_token_ids")
-    if ids is None:
-        token_ids: list[list[int]] | None = None
-    else:
-        if not isinstance(ids, list) or len(ids) != n:
-            got = f"{len(ids)} items" if isinstance(ids, list) else type(ids).__name__
-            raise BadRequest("output_token_ids", f"expected one list of ints per sample ({n}), got {got}")
-        for i, row in enumerate(ids):
-            if not isinstance(row, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in row):
-                raise BadRequest(f"output_token_ids[{i}]", "expected a list of integers")
-        token_ids = ids
-    metadata = [{c: meta[c][i] for c in meta} for i in range(n)]
-    return _samples(prompts, outputs, token_ids, metadata)
-
-
-def parse_openrlhf_request(raw: bytes) -> Samples:
-    """A ``POST /get_reward`` body (OpenRLHF: ``query`` = prompt + response, optional ``prompts`` and
-    ``labels``) -> ``Samples``; ``labels`` reaches the reward function as the ``labels`` keyword."""
-    body = _json_object(raw)
-    _known_keys(body, ("query", "prompts", "labels"))
-    if "query" not in body:
-        raise BadRequest("query", "required")
-    query = _str_list(body, "query", None)
-    n = len(query)
-    if body.get("prompts") is None:
-        prompts = [""] * n
-    else:
-        prompts = _str_list(body, "prompts", n)
-    for i, (q, p) in enumerate(zip(query, prompts)):
-        if not q.startswith(p):
-            raise BadRequest(f"query[{i}]", "must start with prompts[i]")
-    metadata: list[dict[str, Any]] = [{} for _ in range(n)]
-    labels = body.get("labels")
-    if labels is not None:
-        if not isinstance(labels, list) or len(labels) != n:
-            got = f"{len(labels)} items" if isinstance(labels, list) else type(labels).__name__
-            raise BadRequest("labels", f"expected one label per query ({n}), got {got}")
-        for m, lab in zip(metadata, labels):
-            m["labels"] = lab
-    return _samples(prompts, [q[len(p):] for q, p in zip(query, prompts)], None, metadata)
-
-
-def _samples(prompts, outputs, token_ids, metadata) -> Samples:
-    # No token ids (OpenRLHF's protocol has none): the reward function gets None for each sample, and
-    # `score_samples` then cannot check a dense reward's length; the client, which has the ids, does.
-    return Samples(prompts, outputs, token_ids if token_ids is not None else [None] * len(prompts), metadata)
-
-
-# ------------------------------------------------------------------------------------------------
-# Dynamic batching
-
-
-@dataclass
-class BatcherStats:
-    requests: int = 0
-    samples: int = 0
-    calls: int = 0  # reward-function calls (a merged batch larger than max_batch makes several)
-    batches: int = 0  # merged batches
-    errors: int = 0  # batches whose reward call failed
-
-
-class Batcher:
-    """Merges concurrent requests into reward calls of up to ``max_batch`` samples.
-
-    ``submit(samples) -> Future`` (thread-safe) resolves to that request's rewards (a float, or a
-    per-token list, per sample) or to the exception of the call its batch was in. A worker thread takes
-    the oldest request, waits at most ``max_wait_ms`` for more (stopping early when ``max_batch`` is
-    reached; a request that does not fit opens the next batch), scores the merged batch with
-    ``score_samples`` (RNG isolation + validation, in calls of at most ``max_batch``) and hands each
-    request its own slice, in order. ``batching=False``: one request per call (the baseline).
-    """
-
-    def __init__(self, fn: NamedRewardFn, max_batch: int = 256, max_wait_ms: float = 5.0,
-                 batching: bool = True, tokenizer: Any = None) -> None:
-        if max_batch < 1:
-            raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
-        if max_wait_ms < 0:
-            raise ValueError(f"--max-wait-ms must be >= 0, got {max_wait_ms}")
-        self.fn, self.max_batch, self.max_wait_s, self.batching = fn, max_batch, max_wait_ms / 1000, batching
-        self.tokenizer = tokenizer
-        self.stats = BatcherStats()
-        self._q: queue.Queue[tuple[Samples, Future] | None] = queue.Queue()
-        self._next: tuple[Samples, Future] | None = None  # taken from the queue, did not fit its batch
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rallyrl-reward-batcher", daemon=True)
-                self._thread.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            t, self._thread = self._thread, None
-        if t is not None:
-            self._q.put(None)
-            t.join(timeout=30)
-
-    def submit(self, samples: Samples) -> Future:
-        fut: Future = Future()
-        if len(samples) == 0:
-            fut.set_result([])
-            return fut
-        self.start()
-        self._q.put((samples, fut))
-        return fut
-
-    def _take(self) -> list[tuple[Samples, Future]] | None:
-        first, self._next = (self._next, None) if self._next is not None else (self._q.get(), None)
-        if first is None:
-            return None
-        batch, n = [first], len(first[0])
-        if not self.batching:
-            return batch
-        deadline = time.monotonic() + self.max_wait_s
-        while n < self.max_batch:
-            left = deadline - time.monotonic()
-            try:
-                item = self._q.get(timeout=left) if left > 0 else self._q.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                self._q.put(None)  # stop once this batch is scored
-                break
-            if n + len(item[0]) > self.max_batch:
-                self._next = item
-                break
-            batch.append(item)
-            n += len(item[0])
-        return batch
-
-    def _run(self) -> None:
-        while (batch := self._take()) is not None:
-            self._score(batch)
-
-    def _score(self, batch: list[tuple[Samples, Future]]) -> None:
-        merged = Samples.concat([r for r, _ in batch])
-        try:
-            rewards, st = score_samples([self.fn], merged, self.tokenizer, self.max_batch)
-            # One function with weight 1: exactly its validated output (0.0 + 1.0 * x == x).
-            out = [rw.dense if rw.dense is not None else rw.score for rw in rewards]
-        except Exception as e:  # every request of the batch gets the error; the worker goes on
-            self.stats.errors += 1
-            for _, fut in batch:
-                fut.set_exception(e)
-            return
-        self.stats.batches += 1
-        self.stats.calls += st.calls
-        self.stats.requests += len(batch)
-        self.stats.samples += len(merged)
-        a = 0
-        for r, fut in batch:
-            fut.set_result(out[a : a + len(r)])
-            a += len(r)
+# The request rules live in protocol.py and the batcher in batcher.py; their names stay importable from
+# here (the tests, the docs and users' scripts import them from `rallyrl.reward.server`).
+__all__ = ["TOKEN_ENV", "BadRequest", "Batcher", "BatcherStats", "add_parser", "build_reward_fn", "check_token",
+           "create_app", "main", "parse_openrlhf_request", "parse_score_request", "read_limited"]
 
 
 # ------------------------------------------------------------------------------------------------
 # The ASGI app
 
 
-async def read_limited(request: Any, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes: from
-    Content-Length before anything is read, else while streaming (chunked bodies)."""
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        try:
-            declared = int(cl)
-        except ValueError:
-            raise BadRequest("Content-Length", f"not an integer: {cl!r}", 400) from None
-        if declared > limit:
-            raise BadRequest("body", f"{declared} bytes is over the limit of {limit} bytes (--max-body-mb)", 413)
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise BadRequest("body", f"over the limit of {limit} bytes (--max-body-mb)", 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def check_token(header: str | None, token: str | None) -> None:
-    """``Authorization: Bearer <token>`` when a token is configured (constant-time compare)."""
-    if token is None:
-        return
-    scheme, _, given = (header or "").partition(" ")
-    # compare_digest on bytes: its time does not depend on where the strings differ.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise BadRequest("Authorization", f"missing or wrong bearer token (the server has {TOKEN_ENV} set)", 401)
-
-
 def create_app(batcher: Batcher, token: str | None = None, max_body_bytes: int = 32 * 2**20) -> Any:
     """The FastAPI app serving ``batcher``'s reward function (see the module docstring)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi import FastAPI
+
+    async def lifespan(app: Any):
+        batcher.start()
+        yield
+        batcher.stop()
+
+    app = FastAPI(title="rallyrl reward server", version="1", lifespan=lifespan,
+                  description="A rallyrl reward function behind HTTP, with dynamic batching.")
+    _add_routes(app, batcher, _scorer(batcher, token, max_body_bytes), _schemas())
+    return app
+
+
+def _schemas() -> SimpleNamespace:
+    """The OpenAPI models of the endpoints (pydantic, imported here: importing this module needs none).
+    The endpoints read their bodies themselves (``protocol.py``: every rule with a 4xx naming the
+    field), so these models document the protocol in ``/openapi.json`` and ``/docs``; they parse nothing."""
     from pydantic import BaseModel, Field
 
     class ScoreRequest(BaseModel):
@@ -343,15 +104,16 @@ def create_app(batcher: Batcher, token: str | None = None, max_body_bytes: int =
         return {"requestBody": {"required": True, "content": {"application/json": {
             "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
-    errors = {c: {"model": ErrorResponse} for c in (400, 401, 413, 422, 500)}
+    return SimpleNamespace(score=body_schema(ScoreRequest), score_response=ScoreResponse,
+                           openrlhf=body_schema(OpenRLHFRequest), openrlhf_response=OpenRLHFResponse,
+                           errors={c: {"model": ErrorResponse} for c in (400, 401, 413, 422, 500)})
 
-    async def lifespan(app: Any):
-        batcher.start()
-        yield
-        batcher.stop()
 
-    app = FastAPI(title="rallyrl reward server", version="1", lifespan=lifespan,
-                  description="A rallyrl reward function behind HTTP, with dynamic batching.")
+def _scorer(batcher: Batcher, token: str | None, max_body_bytes: int) -> Any:
+    """``score(request, parse) -> (rewards, None) | (None, error response)``: the token, the body (limited,
+    parsed by ``parse``), then the batcher; a broken rule gets its 4xx, a failing reward function a 500."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
 
     def error(status: int, message: str, field: str | None = None) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
@@ -368,6 +130,13 @@ def create_app(batcher: Batcher, token: str | None = None, max_body_bytes: int =
         except Exception as e:  # the reward function failed or returned invalid output
             return None, error(500, f"{type(e).__name__}: {e}")
 
+    return score
+
+
+def _add_routes(app: Any, batcher: Batcher, score: Any, schemas: SimpleNamespace) -> None:
+    """``GET /health``, ``POST /score`` (rallyrl's protocol), ``POST /get_reward`` (OpenRLHF's)."""
+    from fastapi import Request
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         st = batcher.stats
@@ -375,18 +144,17 @@ def create_app(batcher: Batcher, token: str | None = None, max_body_bytes: int =
                 "max_wait_ms": batcher.max_wait_s * 1000, "batching": batcher.batching,
                 "requests": st.requests, "samples": st.samples, "calls": st.calls, "errors": st.errors}
 
-    @app.post("/score", responses={200: {"model": ScoreResponse}, **errors}, openapi_extra=body_schema(ScoreRequest))
+    @app.post("/score", responses={200: {"model": schemas.score_response}, **schemas.errors},
+              openapi_extra=schemas.score)
     async def score_rallyrl(request: Request) -> Any:
         rewards, err = await score(request, parse_score_request)
         return err or {"rewards": rewards}
 
-    @app.post("/get_reward", responses={200: {"model": OpenRLHFResponse}, **errors},
-              openapi_extra=body_schema(OpenRLHFRequest))
+    @app.post("/get_reward", responses={200: {"model": schemas.openrlhf_response}, **schemas.errors},
+              openapi_extra=schemas.openrlhf)
     async def score_openrlhf(request: Request) -> Any:
         rewards, err = await score(request, parse_openrlhf_request)
         return err or {"rewards": rewards, "scores": rewards, "extra_logs": {}}
-
-    return app
 
 
 # ------------------------------------------------------------------------------------------------

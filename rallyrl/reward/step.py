@@ -15,8 +15,10 @@ function on whichever rank, every rank raises the same ``RewardError`` carrying 
 traceback, right after the step's next collective, instead of leaving peers blocked until a timeout.
 
 The ordering logic (global batch = rank-major concatenation of the shards; each rank's slice of it;
-micro-batch bounds) is a set of pure functions (``concat_shards``, ``split_by_counts``,
-``micro_batches``) so it is tested without processes; the collectives are in ``rallyrl.dist``.
+micro-batch bounds) is a set of pure functions in ``samples.py`` (``concat_shards``, ``split_by_counts``,
+``micro_batches``) so it is tested without processes; the reward calls are ``scoring.py``'s
+``score_samples``; the collectives are in ``rallyrl.dist``. This module is the step itself; the names
+of the other two stay importable from here.
 """
 
 from __future__ import annotations
@@ -24,228 +26,23 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ContextManager, TypeVar
+from dataclasses import dataclass
+from typing import Any, ContextManager
 
+from .. import dist
 from ..errors import Failure, RewardError
-from .validate import validate_rewards
+from .samples import (NamedRewardFn, Reward, RewardFn, Samples, StepStats, concat_shards, micro_batches,
+                      split_by_counts)
+from .scoring import RewardTimeoutError, call_kwargs, score_samples
 
-# `dist` and `seeding` (torch) are imported where they are used, not here: `import rallyrl` (and so the
-# `rallyrl train --nproc N` launcher process, and `rallyrl check`) stays free of torch.
+# `seeding` (torch) is imported where it is used, not here: `import rallyrl` (and so the `rallyrl train
+# --nproc N` launcher process, and `rallyrl check`) stays free of torch. (`dist` imports torch lazily.)
 
-RewardFn = Callable[..., Any]
-T = TypeVar("T")
+__all__ = ["PLACEMENTS", "Failure", "NamedRewardFn", "Reward", "RewardError", "RewardFn", "RewardHandle",
+           "RewardStep", "RewardTimeoutError", "Samples", "StepStats", "call_kwargs", "concat_shards",
+           "micro_batches", "score_samples", "split_by_counts"]
 
 PLACEMENTS = ("main", "local", "collective")
-_NO_LENGTH = 2**62  # see score_samples
-
-
-@dataclass
-class NamedRewardFn:
-    name: str
-    fn: RewardFn
-    weight: float = 1.0
-
-
-@dataclass
-class Samples:
-    """One rank's samples for a reward step (all lists aligned)."""
-
-    prompts: list[str]
-    outputs: list[str]
-    output_token_ids: list[list[int]]
-    metadata: list[dict[str, Any]]
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def slice(self, a: int, b: int) -> "Samples":
-        return Samples(self.prompts[a:b], self.outputs[a:b], self.output_token_ids[a:b], self.metadata[a:b])
-
-    @staticmethod
-    def concat(parts: Sequence["Samples"]) -> "Samples":
-        return Samples(
-            [p for s in parts for p in s.prompts],
-            [o for s in parts for o in s.outputs],
-            [t for s in parts for t in s.output_token_ids],
-            [m for s in parts for m in s.metadata],
-        )
-
-
-@dataclass
-class Reward:
-    """The combined reward of one sample: a scalar ``score`` (placed on the last output token) plus an
-    optional dense per-token part aligned to the output tokens. ``components`` holds each reward
-    function's own (unweighted) value, dense parts summed, keyed by the function's name."""
-
-    score: float
-    dense: list[float] | None = None
-    components: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def total(self) -> float:
-        return self.score + (sum(self.dense) if self.dense else 0.0)
-
-
-@dataclass
-class StepStats:
-    """This rank's share of a step's statistics; SUMMED over ranks they give the global values (the
-    trainer reduces them once per iteration with its other statistics, no extra collective here)."""
-
-    calls: int = 0  # reward-function calls this rank made (a joint `collective` call counts once)
-    samples: int = 0  # samples passed to those calls (so samples / calls = mean micro-batch size)
-    time_reward: float = 0.0  # seconds this rank spent inside reward functions
-    time_gather: float = 0.0  # seconds moving samples, rewards and failures between ranks (per rank)
-    # seconds this rank was BLOCKED waiting for rewards: its reward calls when synchronous; with overlap
-    # (submit/collect) only the part that generation did not hide. With `main` placement 0 off rank 0.
-    time_wait: float = 0.0
-
-    def add(self, other: "StepStats") -> None:
-        """Accumulate another step's statistics (the chunk rounds of one iteration)."""
-        self.calls += other.calls
-        self.samples += other.samples
-        self.time_reward += other.time_reward
-        self.time_gather += other.time_gather
-        self.time_wait += other.time_wait
-
-
-# ------------------------------------------------------------------------------------------------
-# Pure ordering logic (no collectives): tested directly, property-based
-
-
-def concat_shards(shards: Sequence[Samples]) -> tuple[Samples, list[int]]:
-    """The global batch of a chunk round: the ranks' shards concatenated in rank order (rank-major, the
-    order of the global sample index), and the per-rank counts needed to split results back."""
-    return Samples.concat(shards), [len(s) for s in shards]
-
-
-def split_by_counts(items: Sequence[T], counts: Sequence[int]) -> list[list[T]]:
-    """Inverse of the concatenation: ``items`` (one per global sample) cut into per-rank lists."""
-    if sum(counts) != len(items) or any(c < 0 for c in counts):
-        raise ValueError(f"cannot split {len(items)} items into per-rank counts {list(counts)}")
-    out, a = [], 0
-    for c in counts:
-        out.append(list(items[a : a + c]))
-        a += c
-    return out
-
-
-def micro_batches(n: int, batch_size: int | None) -> list[tuple[int, int]]:
-    """[start, end) bounds of the reward calls over ``n`` samples (``None`` = one call with all)."""
-    if n == 0:
-        return []
-    bs = batch_size or n
-    return [(a, min(n, a + bs)) for a in range(0, n, bs)]
-
-
-def call_kwargs(samples: Samples, tokenizer: Any) -> dict[str, Any]:
-    """trlx-compatible keyword arguments: every metadata column as a per-sample list (None where a
-    sample lacks it), plus ``output_token_ids`` and ``tokenizer``."""
-    cols: dict[str, None] = {}
-    for m in samples.metadata:
-        cols.update(dict.fromkeys(m))
-    kwargs: dict[str, Any] = {c: [m.get(c) for m in samples.metadata] for c in cols}
-    kwargs["output_token_ids"] = samples.output_token_ids
-    kwargs["tokenizer"] = tokenizer
-    return kwargs
-
-
-class RewardTimeoutError(TimeoutError):
-    """An in-process reward call took longer than ``reward.timeout_s``."""
-
-
-def _call_bounded(fn: RewardFn, args: tuple, kwargs: dict[str, Any], timeout_s: float, name: str) -> Any:
-    """``fn(*args, **kwargs)`` inside ``isolated_rng()`` on a helper thread, waited for at most
-    ``timeout_s``. The caller's thread only waits meanwhile, so the RNG save/restore cannot race with it;
-    a call that overruns cannot be killed: it is left running (a daemon thread) and the run stops."""
-    import threading
-
-    import torch
-
-    from ..seeding import isolated_rng
-
-    # The current CUDA device is per thread: the helper uses the caller's (a rank's own GPU, not cuda:0).
-    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            with isolated_rng():
-                box["out"] = fn(*args, **kwargs)
-        except BaseException as e:  # re-raised on the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="rallyrl-reward-call", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise RewardTimeoutError(f"reward function {name!r} did not return within reward.timeout_s={timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["out"]
-
-
-def score_samples(
-    fns: Sequence[NamedRewardFn], samples: Samples, tokenizer: Any, batch_size: int | None, offset: int = 0,
-    isolate: bool = True, timeout_s: float | None = None,
-) -> tuple[list[Reward], StepStats]:
-    """Call every reward function on ``samples`` in micro-batches; validate; combine with weights.
-
-    Every call runs inside ``isolated_rng()`` (``isolate=False`` only for the background calls of
-    ``RewardStep.submit``: saving and restoring the global RNG state from a second thread would race
-    with generation on the main thread, so only functions that never touch it, ``RemoteReward``, are
-    run there). Returns the rewards (aligned with ``samples``) and the call statistics. Raises on any
-    failure (the caller makes it collective). ``offset`` is the index of the first sample in the batch
-    the user sees (for messages). ``timeout_s`` bounds each call of an in-process function (see
-    ``_call_bounded``); a ``RemoteReward`` bounds its own HTTP attempts and retries, so it is not bounded
-    again here.
-    """
-    import contextlib
-
-    from ..seeding import isolated_rng
-    from .client import RemoteReward
-
-    n = len(samples)
-    rewards = [Reward(0.0) for _ in range(n)]
-    stats = StepStats()
-    for nf in fns:
-        for a, b in micro_batches(n, batch_size):
-            part = samples.slice(a, b)
-            full = [p + o for p, o in zip(part.prompts, part.outputs)]
-            kwargs = call_kwargs(part, tokenizer)
-            t0 = time.perf_counter()
-            if timeout_s is not None and isolate and not isinstance(nf.fn, RemoteReward):
-                out = _call_bounded(nf.fn, (full, part.prompts, part.outputs), kwargs, timeout_s, nf.name)
-            else:
-                with isolated_rng() if isolate else contextlib.nullcontext():
-                    out = nf.fn(full, part.prompts, part.outputs, **kwargs)
-            stats.time_reward += time.perf_counter() - t0
-            stats.calls += 1
-            stats.samples += b - a
-            # None: token ids unknown (a server request without them); the dense length is then
-            # checked on the client, which has them.
-            lengths = [len(t) if t is not None else _NO_LENGTH for t in part.output_token_ids]
-            checked = validate_rewards(out, lengths, fn_name=f"reward function {nf.name!r}", offset=offset + a)
-            for i, r in enumerate(checked):
-                rw = rewards[a + i]
-                if isinstance(r, list):
-                    n_tok = lengths[i] if lengths[i] != _NO_LENGTH else len(r)
-                    dense = rw.dense if rw.dense is not None else [0.0] * n_tok
-                    dense.extend([0.0] * (len(r) - len(dense)))  # unknown token count: as long as needed
-                    for t, x in enumerate(r):
-                        dense[t] += nf.weight * x
-                    rw.dense = dense
-                    rw.components[nf.name] = sum(r)
-                else:
-                    rw.score += nf.weight * r
-                    rw.components[nf.name] = r
-    return rewards, stats
-
-
-# ------------------------------------------------------------------------------------------------
-# The step
 
 
 def _no_notice(what: str) -> ContextManager[None]:
@@ -304,8 +101,6 @@ class RewardStep:
         """Main rank, ``reward.server: local``: spawn the server process now, without waiting for it, so
         that it starts up while the caller loads models; ``open()`` later waits for it (and reports a
         failed start on every rank). Not a collective; nothing to do without a local server."""
-        from .. import dist
-
         if self.server is not None and not self._opened and dist.is_main():
             try:
                 self.server.launch()
@@ -317,7 +112,6 @@ class RewardStep:
         local server: the main rank starts it (a start failure is the same ``RewardError`` on every
         rank, with the server's output), every rank learns its URL, and the reward functions become a
         ``RemoteReward`` pointed at it (only the main rank ever calls it with ``main`` placement)."""
-        from .. import dist
         from ..seeding import isolated_rng
         from .client import RemoteReward
 
@@ -354,10 +148,28 @@ class RewardStep:
             return f"waiting for the reward on rank 0{where}"
         return f"waiting for the rewards ({self.placement} placement: every rank's call){where}"
 
-    # --- main: gather -> score on rank 0 -> scatter --------------------------------------------
-    def _main(self, samples: Samples) -> tuple[list[Reward], StepStats]:
-        from .. import dist
+    def _score(self, samples: Samples) -> tuple[list[Reward], StepStats]:
+        """Every reward function on ``samples`` (this rank's call); ``time_wait`` is the whole call."""
+        rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size, timeout_s=self.timeout_s)
+        stats.time_wait = stats.time_reward
+        return rewards, stats
 
+    def _agreed(self, score: Callable[[], tuple[list[Reward], StepStats]]) -> tuple[list[Reward], StepStats]:
+        """``score()`` on every rank through ``dist.agree``: one exchange of the ranks' failures, so a
+        failure on one rank reaches the others at once (the same ``RewardError`` everywhere) instead of
+        leaving them waiting in the next collective; every rank takes part even on success. The
+        exchange is this rank's ``time_gather``; the main rank's wait notice covers the call and it."""
+        exchange: list[float] = []
+        with self.notice(self._what()):
+            rewards, stats = dist.agree(score, RewardError, on_exchange=exchange.append)
+        stats.time_gather = exchange[0]
+        return rewards, stats
+
+    # --- main: gather -> score on rank 0 -> scatter --------------------------------------------
+    # Not through dist.agree: its main-only form broadcasts ONE value to every rank, while here each
+    # rank receives only its own rewards. The outcome (rewards or the failure) travels in the one
+    # scatter the step needs anyway, so a failure costs no extra collective.
+    def _main(self, samples: Samples) -> tuple[list[Reward], StepStats]:
         t0 = time.perf_counter()
         gathered = dist.gather_objects(samples, dst=0)
         t_gather = time.perf_counter() - t0
@@ -368,9 +180,7 @@ class RewardStep:
             batch, counts = concat_shards(gathered)
             try:
                 with self.notice(self._what()):
-                    rewards, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
-                                                   timeout_s=self.timeout_s)
-                stats.time_wait = stats.time_reward
+                    rewards, stats = self._score(batch)
                 payload = [("ok", mine) for mine in split_by_counts(rewards, counts)]
             except Exception as e:  # every failure is reported to every rank, then raised there
                 payload = [("error", self._main_failure(e))] * len(counts)
@@ -383,48 +193,20 @@ class RewardStep:
 
     # --- local: each rank scores its own ---------------------------------------------------------
     def _local(self, samples: Samples) -> tuple[list[Reward], StepStats]:
-        from .. import dist
-
-        failure: Failure | None = None
-        rewards: list[Reward] = []
-        stats = StepStats()
-        with self.notice(self._what()):
-            try:
-                rewards, stats = score_samples(self.fns, samples, self.tokenizer, self.batch_size,
-                                               timeout_s=self.timeout_s)
-            except Exception as e:
-                failure = Failure.of(e, dist.rank())
-            stats.time_wait = stats.time_reward
-            # Even on success every rank takes part in this exchange: that is what lets a failure on one
-            # rank reach the others at once instead of leaving them waiting in the next collective.
-            t0 = time.perf_counter()
-            failures = dist.all_gather_objects(failure)
-            stats.time_gather = time.perf_counter() - t0
-        dist.raise_failures(failures, RewardError)
-        return rewards, stats
+        return self._agreed(lambda: self._score(samples))
 
     # --- collective: everyone scores the full batch together -------------------------------------
     def _collective(self, samples: Samples) -> tuple[list[Reward], StepStats]:
-        from .. import dist
-
         t0 = time.perf_counter()
         batch, counts = concat_shards(dist.all_gather_objects(samples))
         t_gather = time.perf_counter() - t0
-        failure: Failure | None = None
-        rewards: list[Reward] = []
-        stats = StepStats()
-        with self.notice(self._what()):
-            try:
-                allr, stats = score_samples(self.fns, batch, self.tokenizer, self.batch_size,
-                                            timeout_s=self.timeout_s)
-                rewards = split_by_counts(allr, counts)[dist.rank()]
-            except Exception as e:
-                failure = Failure.of(e, dist.rank())
-            stats.time_wait = stats.time_reward
-            t1 = time.perf_counter()
-            failures = dist.all_gather_objects(failure)
-            stats.time_gather = t_gather + time.perf_counter() - t1
-        dist.raise_failures(failures, RewardError)
+
+        def score() -> tuple[list[Reward], StepStats]:
+            everyone, stats = self._score(batch)
+            return split_by_counts(everyone, counts)[dist.rank()], stats
+
+        rewards, stats = self._agreed(score)
+        stats.time_gather += t_gather
         if dist.rank() != 0:  # one joint call per micro-batch: count it once (stats are summed over ranks)
             stats.calls, stats.samples, stats.time_reward = 0, 0, 0.0
         return rewards, stats
@@ -440,8 +222,6 @@ class RewardStep:
         ``main`` placement and reward functions that never touch the global RNG (``RemoteReward``):
         the background call cannot run inside ``isolated_rng()`` (see ``score_samples``).
         """
-        from .. import dist
-
         self.open()
         if not self.overlap:
             rewards, stats = self(samples)
@@ -461,8 +241,6 @@ class RewardStep:
         round, validate, and scatter ONCE; a failure in any round raises the same ``RewardError``
         (with its cause) on every rank. ``time_wait`` (on the last round's stats) is the time the main
         rank was blocked here."""
-        from .. import dist
-
         handles = list(handles)
         if not self.overlap:
             assert all(h.result is not None for h in handles), "collect() takes the handles of submit()"

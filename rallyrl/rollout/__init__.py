@@ -9,11 +9,12 @@
 - ``collect.py``: the rollout stage of the loop (episodes, the central reward step, scoring).
 """
 
-from .batch import Advantages, Rollouts, Shard, pad
+from .batch import Advantages, Rollouts, Shard
 from .collect import collect_rollouts
 from .engine import GenerationEngine, Sampled, SamplingSpec
 from .episode import Episodes, run_episodes
 from .hf import HFEngine, truncate_at_stop
+from .padding import pad
 from .prefill import prompt_index
 from .scoring import Scored, score_tokens
 

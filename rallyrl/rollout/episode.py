@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .batch import pad
+from .padding import pad
 from .engine import GenerationEngine, SamplingSpec
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import dist, ops
-from .batch import pad
+from .padding import pad
 from .engine import Sampled, SamplingSpec, no_prompts
 from .prefill import prompt_index, shared_encoding, shared_prefill
 

@@ -100,6 +100,9 @@ def test_dropped_zero_std_groups_leave_no_gradient(tiny_model, tmp_path):
                             ppo={"drop_zero_std_groups": drop}, train={"iterations": 1}))
     m = read_jsonl(tmp_path / "drop" / "metrics.jsonl")[0]
     assert m["reward/zero_std_groups"] == 1.0 and m["policy/loss"] == 0.0 and m["policy/grad_norm"] == 0.0
+    # the entropy is the policy's over every sampled token, in the loss or not: not a false "collapse" to 0
+    kept = read_jsonl(tmp_path / "keep" / "metrics.jsonl")[0]
+    assert m["policy/entropy"] > 1.0 and m["policy/entropy"] == pytest.approx(kept["policy/entropy"], rel=1e-6)
     assert all(r["advantage"] == 0.0 for r in read_jsonl(tmp_path / "drop" / "rollouts.jsonl"))
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Strict config loading (rallyrl/config.py): errors name the dotted key, overrides, the batch plan, and
+"""Strict config loading (rallyrl/config/): errors name the dotted key, overrides, the batch plan, and
 the generated reference page (docs/config.md) cannot drift from the code."""
 
 from __future__ import annotations
@@ -219,8 +219,8 @@ def test_resolved_config_round_trips(tmp_path):
 @pytest.mark.parametrize(
     "item, key, value",
     [
-        ("ppo.lr=3e-4", "ppo.lr", "3e-4"),  # YAML 1.1 text; the float field converts it (test below)
-        ("train.run_dir=1e3", "train.run_dir", "1e3"),  # ...and a string field keeps it as text
+        ("ppo.lr=3e-4", "ppo.lr", 3e-4),  # YAML 1.2 (as editors read it): a number, not 1.1's text
+        ("train.run_dir='1e3'", "train.run_dir", "1e3"),  # ...so a text that looks like one is quoted
         ("ppo.lr=3.0e-4", "ppo.lr", 3e-4),
         ("ppo.lr=0.001", "ppo.lr", 0.001),
         ("train.iterations=3", "train.iterations", 3),

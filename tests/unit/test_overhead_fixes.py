@@ -2,7 +2,7 @@
 the same results as before:
 
 - one process or DDP without a loss scaler: ``dist`` calls torch directly instead of accelerate's
-  ``backward`` / ``clip_grad_norm_`` / optimizer wrapper (``dist._is_plain``), to the same bits: the
+  ``backward`` / ``clip_grad_norm_`` / optimizer wrapper (``dist.accelerator._is_plain``), to the same bits: the
   gradient norm, the clipped gradients and the optimizer step;
 - ``rollout.pad`` in one torch call; ``quiet_generate``'s logging filter; the cached ``logits_to_keep``
   check of ``causal_forward``."""
@@ -42,7 +42,7 @@ def _step(use_accelerate: bool, max_norm: float, seed: int) -> tuple[float, list
         norm = acc.clip_grad_norm_(model.parameters(), max_norm)
     else:
         loss.backward()
-        norm = dist._clip_grad_norm(list(model.parameters()), max_norm)
+        norm = dist.accelerator._clip_grad_norm(list(model.parameters()), max_norm)
     opt.step()
     return norm, [p.detach().clone() for p in model.parameters()]
 
@@ -58,14 +58,14 @@ def test_plain_path_is_bit_identical_to_accelerate(max_norm, seed):
 
 def test_plain_clip_without_gradients_is_zero_and_touches_nothing():
     model = _model(0)
-    assert float(dist._clip_grad_norm(list(model.parameters()), 1.0)) == 0.0
+    assert float(dist.accelerator._clip_grad_norm(list(model.parameters()), 1.0)) == 0.0
     assert all(p.grad is None for p in model.parameters())
 
 
 def test_one_cpu_process_takes_the_plain_path_and_keeps_a_torch_optimizer():
     from accelerate import Accelerator
 
-    assert dist._is_plain(Accelerator(cpu=True))
+    assert dist.accelerator._is_plain(Accelerator(cpu=True))
     dist.init_accelerator(60.0)
     model = _model(0)
     opt = torch.optim.AdamW(model.parameters(), fused=True)

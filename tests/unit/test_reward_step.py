@@ -215,3 +215,44 @@ def test_zero_samples_makes_no_call():
     calls = []
     rewards, stats = RewardStep([NamedRewardFn("f", lambda *a, **k: calls.append(1) or [])], "local", 4)(shard(0, 0))
     assert rewards == [] and calls == [] and stats.calls == 0 and stats.samples == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives per step (counted at world size 1, where each one is still called: a no-op there)
+
+
+@pytest.mark.parametrize("placement, expected", [
+    ("main", ["gather_objects", "scatter_objects"]),
+    ("local", ["all_gather_objects"]),  # the failures, exchanged by dist.agree
+    ("collective", ["all_gather_objects", "all_gather_objects"]),  # the samples, then the failures
+])
+@pytest.mark.parametrize("fails", [False, True])
+def test_each_placement_makes_the_same_collectives_whether_it_fails_or_not(monkeypatch, placement, expected, fails):
+    """A failure travels in the step's own collectives: never one more, never one fewer (a rank that
+    skipped one would leave the others waiting in it)."""
+    from rallyrl import dist
+    from rallyrl.dist import collectives
+
+    made: list[str] = []
+    for name in ("gather_objects", "scatter_objects", "all_gather_objects", "broadcast_object", "all_reduce_sum"):
+        def counted(*args, _name=name, _fn=getattr(collectives, name), **kwargs):
+            made.append(_name)
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(collectives, name, counted)  # what dist.agree calls
+        monkeypatch.setattr(dist, name, counted)  # what the step calls
+
+    def reward(samples, prompts, outputs, **kw):
+        if fails:
+            raise ValueError("down")
+        return [1.0] * len(samples)
+
+    step = RewardStep([NamedRewardFn("f", reward)], placement, 2)
+    if fails:
+        with pytest.raises(RewardError, match="reward step failed on rank 0: ValueError: down"):
+            step(shard(0, 3))
+    else:
+        rewards, stats = step(shard(0, 3))
+        assert [r.score for r in rewards] == [1.0] * 3 and stats.calls == 2 and stats.samples == 3
+        assert stats.time_wait == stats.time_reward and stats.time_gather >= 0.0
+    assert made == expected

@@ -1,12 +1,13 @@
 """`rallyrl schema` (issue 20 item 3): a JSON Schema (draft 2020-12) of the whole config, generated from
 the dataclasses. Every shipped config validates against it; a wrong type, an unknown key, a misspelled
 choice and a value out of range are rejected; and for every number field the schema and the loader agree
-on which values are allowed (so a range added to config.validate without RANGES fails here)."""
+on which values are allowed (both read each range from the field's metadata; a bound checked only in validate fails here)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 
 import jsonschema
@@ -15,6 +16,7 @@ import yaml
 
 from rallyrl.cli import main as cli_main
 from rallyrl.config import Config, ConfigError, load_config
+from rallyrl.config.fields import BOUNDS, _f, bounds, range_text
 from rallyrl.schema import DRAFT, config_schema
 from tests.unit.test_config import shipped_configs
 
@@ -101,9 +103,55 @@ def test_schema_and_loader_agree_on_every_number(key, kind):
             loader_ok = False
         assert (not _errors(data)) == loader_ok, (
             f"{key}={v}: the loader {'accepts' if loader_ok else 'rejects'} it, the schema does not agree; "
-            f"update rallyrl/schema.py RANGES")
+            f"declare the range once, in the field's metadata (rallyrl/config/fields.py _f)")
 
 
 def test_cli_prints_the_schema(capsys):
     assert cli_main(["schema"]) == 0
     assert json.loads(capsys.readouterr().out) == SCHEMA
+
+
+def _bounded_fields():
+    """(dotted key, field) of every field that declares a range, found from the dataclasses."""
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from walk(hints[f.name], key)
+            elif bounds(f):
+                yield key, f
+    return list(walk(Config, ""))
+
+
+def test_each_range_is_declared_once_and_read_by_both():
+    found = dict(_bounded_fields())
+    assert len(found) >= 35 and "ppo.lr" in found and "model.lora.dropout" in found
+    for key, f in found.items():
+        section, *rest = key.split(".")
+        prop = SCHEMA["properties"][section]
+        for part in rest:
+            prop = prop["properties"][part]
+        # the schema's bound keywords are exactly the field's declaration
+        assert {k: prop[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in prop} \
+            == {BOUNDS[k]: v for k, v in bounds(f).items()}, key
+
+
+@pytest.mark.parametrize("key, bound, message", [
+    ("ppo.epochs", {"gt": 0}, "> 0"), ("ppo.warmup_steps", {"ge": 0}, ">= 0"),
+    ("generation.top_p", {"gt": 0, "le": 1}, "in (0, 1]"), ("ppo.gamma", {"ge": 0, "le": 1}, "in [0, 1]"),
+    ("rollout.samples_per_prompt", {"ge": 1}, ">= 1"), ("model.lora.dropout", {"ge": 0, "le": 0}, "0"),
+])
+def test_the_validator_says_the_declared_range(key, bound, message):
+    f = dict(_bounded_fields())[key]
+    assert bounds(f) == bound and range_text(bound) == message
+    bad = {"gt": lambda b: b, "ge": lambda b: b - 1}
+    lo = next(k for k in ("gt", "ge") if k in bound)
+    value = bad[lo](bound[lo])
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be {re.escape(message)}, got {value}"):
+        load_config({}, [f"{key}={value}"])
+
+
+def test_a_misspelled_range_keyword_is_refused_where_the_field_is_declared():
+    with pytest.raises(TypeError, match="unknown field metadata"):
+        _f(1, "doc", gte=0)

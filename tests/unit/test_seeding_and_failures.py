@@ -40,6 +40,31 @@ def test_agree_raises_the_stage_error_with_the_cause():
     assert dist.agree(lambda: 43, RewardError, main_only=True) == 43
 
 
+def test_agree_tells_the_time_of_its_exchange_only_and_before_it_raises(monkeypatch):
+    """``on_exchange`` gets the seconds between the end of ``fn`` and the end of the exchange (the
+    reward step's ``time/reward_gather``), not ``fn``'s own time, once per call, also when it raises."""
+    from types import SimpleNamespace
+
+    from rallyrl.dist import collectives
+
+    ticks = iter([10.0, 10.5, 20.0, 21.25, 30.0, 30.125])
+    monkeypatch.setattr(collectives, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    told: list[float] = []
+
+    def boom():
+        raise ValueError("disk on fire")
+
+    assert dist.agree(lambda: 7, RewardError, on_exchange=told.append) == 7
+    assert told == [0.5]
+    with pytest.raises(RewardError, match="disk on fire"):
+        dist.agree(boom, RewardError, on_exchange=told.append)
+    assert told == [0.5, 1.25]
+    assert dist.agree(lambda: 8, RewardError, main_only=True, on_exchange=told.append) == 8
+    assert told == [0.5, 1.25, 0.125]
+    assert dist.agree(lambda: 9, RewardError) == 9  # no hook: nothing is timed
+    assert next(ticks, None) is None
+
+
 def test_a_stage_error_inside_is_not_wrapped_twice():
     def missing():
         raise CheckpointError("checkpoint runs/x/step_3 is incomplete: manifest.json is missing")
