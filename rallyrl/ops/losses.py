@@ -134,12 +134,7 @@ def policy_loss(
     # would still let inf/nan padding poison the backward pass (nan * 0).
     logprobs, old_logprobs, advantages = (zero_outside(t, m) for t in (logprobs, old_logprobs, advantages))
     log_ratio = logprobs - old_logprobs  # (B, T)
-    if ratio_level == "token":
-        ratio = torch.exp(log_ratio)  # (B, T)
-    elif ratio_level == "sequence":
-        ratio = torch.exp(sequence_log_ratio(logprobs, old_logprobs, m))  # (B, T): s_i on each token of row i
-    else:
-        raise ValueError(f"unknown ratio level {ratio_level!r}; expected one of {', '.join(RATIO_LEVELS)}")
+    ratio = _ratio(log_ratio, logprobs, old_logprobs, m, ratio_level)  # (B, T)
     pg_unclipped = -advantages * ratio  # (B, T)
     high = clip_range if clip_range_high is None else clip_range_high
     pg_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + high)  # (B, T)
@@ -149,8 +144,7 @@ def policy_loss(
         # Only A < 0 (holes and padding have A = 0 here): min(per_token, -c * A), constant, so no gradient.
         cap = -advantages * dual_clip  # (B, T)
         capped = (advantages < 0) & (per_token > cap)  # (B, T)
-        per_token = torch.where(capped, cap, per_token)
-        clipped = clipped | capped
+        per_token, clipped = torch.where(capped, cap, per_token), clipped | capped
     loss = aggregate_loss(per_token, m, aggregation, _normaliser(m, num_tokens, per_token, aggregation), max_len)
     with torch.no_grad():
         stats = {
@@ -159,6 +153,15 @@ def policy_loss(
             "ratio": masked_mean(ratio, m),
         }
     return loss, {k: s.detach() for k, s in stats.items()}
+
+
+def _ratio(log_ratio: Tensor, logprobs: Tensor, old_logprobs: Tensor, m: Tensor, level: str) -> Tensor:
+    """The importance ratio ``(B, T)`` of ``ratio_level`` ``level`` (inputs already zeroed off ``m``)."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        return torch.exp(sequence_log_ratio(logprobs, old_logprobs, m))  # s_i on each token of row i
+    raise ValueError(f"unknown ratio level {level!r}; expected one of {', '.join(RATIO_LEVELS)}")
 
 
 def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
