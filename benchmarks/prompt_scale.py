@@ -12,8 +12,13 @@ For each size and format, a 1-iteration ``rallyrl train --nproc 2`` on a tiny GP
 - ``any_peak_mib``: ``ru_maxrss`` of the largest process of the run (exact, from the kernel).
 
 ``first`` runs with an empty datasets cache (the file is converted to Arrow), ``cached`` right after
-it. ``--code DIR`` runs another checkout of rallyrl (e.g. the one before this change: only the formats
-it reads, and there is no cache then, so one phase). Run from the repository root::
+it. ``--long-prompts error`` (issue 28) runs with ``data.long_prompts: error``, which checks the length of
+every prompt at start: ``first`` then also builds the length index (cached beside the Arrow file, so the
+empty cache removes it too) and ``cached`` reads it; ``--long-prompts skip error`` measures both in one
+invocation, the default (skip, no start-up check) being the baseline. ``--index`` measures that start-up
+check alone (open + length index, in a fresh process, no model), the figure least disturbed by a shared
+machine's load. ``--code DIR`` runs another checkout of rallyrl (e.g. the one before this change: only the
+formats it reads, and there is no cache then, so one phase). Run from the repository root::
 
     HF_DATASETS_OFFLINE=1 .venv/bin/python -m benchmarks.prompt_scale --sizes 10000 100000 1000000 \\
         --formats jsonl parquet --out benchmarks/results/prompt_scale.json
@@ -90,7 +95,7 @@ def measure(cmd: list[str], env: dict[str, str], cwd: Path) -> dict:
     return {"rc": proc.returncode, "wall_s": wall, "any_peak_mib": ru,
             "rank_peak_mib": [r / 2**20 for r in ranks[:2]],
             "launcher_peak_mib": max((rss for kind, rss in peaks.values() if kind == "launcher"), default=0) / 2**20,
-            "tail": out[-3000:] if proc.returncode else ""}
+            "tail": out[-3000:] if proc.returncode else "", "out": out[-20000:]}
 
 
 def interpreter(code: Path, work: Path) -> tuple[str, str]:
@@ -108,7 +113,7 @@ def interpreter(code: Path, work: Path) -> tuple[str, str]:
     return str(venv / "bin" / "python"), os.pathsep.join(paths)
 
 
-def run_once(code: Path, work: Path, data: Path, label: str) -> dict:
+def run_once(code: Path, work: Path, data: Path, label: str, long_prompts: str | None = None) -> dict:
     from rallyrl.testing import build_tiny_gpt2
 
     model = work / "model"
@@ -126,6 +131,8 @@ def run_once(code: Path, work: Path, data: Path, label: str) -> dict:
         "ppo": {"epochs": 1, "num_minibatches": 1},
         "reward": {"fn": "tests.helpers.rewards:hashed"},
     }
+    if long_prompts:  # absent for another checkout that may not know the key
+        cfg["data"]["long_prompts"] = long_prompts
     import yaml
 
     cfg_path = work / f"{label}.yaml"
@@ -142,21 +149,64 @@ def run_once(code: Path, work: Path, data: Path, label: str) -> dict:
         res["startup_s"] = res["wall_s"] - res["iteration_s"]
         res["first_prompts"] = [json.loads(line)["prompt"] for line in
                                 (run_dir / "rollouts.jsonl").read_text().splitlines()[:8]]
+        res["index_s"] = _measured_s(res.get("out", ""))
+    res.pop("out", None)
     return res
+
+
+def _measured_s(out: str) -> float | None:
+    """The length index's build time, from the run's own line ("measured the token length of N prompts
+    of X in S s"); None when the run built none."""
+    import re
+
+    m = re.search(r"measured the token length of [\d,]+ prompts of \S+ in ([\d.]+) s", out)
+    return float(m.group(1)) if m else None
+
+
+INDEX_PROBE = """
+import json, sys, time
+from transformers import AutoTokenizer
+from rallyrl.data import PromptLimit, PromptSet, open_prompts
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+t0 = time.perf_counter()
+table = open_prompts(sys.argv[2])
+t1 = time.perf_counter()
+PromptSet.of(table, tok, 128, 4, "data.prompts", limit=PromptLimit.of(None, "error", 128, 4)).check_lengths()
+print(json.dumps({"open_s": t1 - t0, "check_s": time.perf_counter() - t1}))
+"""
+
+
+def index_once(work: Path, data: Path) -> dict:
+    """``data.long_prompts: error``'s start-up check alone, in a fresh process: opening the prompts and
+    ``PromptSet.check_lengths`` (building the length index, or reading it), without the model loading and
+    process start-up that make the whole-run figures noisy on a shared machine."""
+    from rallyrl.testing import build_tiny_gpt2
+
+    model = work / "model"
+    if not (model / "config.json").exists():
+        build_tiny_gpt2(model, n_layer=1, n_embd=32)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", HF_DATASETS_CACHE=str(work / "hf_cache"), PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", INDEX_PROBE, str(model), str(data)], env=env, capture_output=True,
+                       text=True, check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def table(rows: list[dict]) -> str:
     """The docs/data.md table: one line per (code, format, phase, size)."""
-    out = ["| code | format | phase | prompts | start-up (s) | peak RSS per rank (MiB) | launcher peak (MiB) | "
-           "load (1 min) |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| code | format | long_prompts | phase | prompts | start-up (s) | length index built (s) | "
+           "peak RSS per rank (MiB) | launcher peak (MiB) | load (1 min) |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        mode = r.get("long_prompts") or "default"
+        head = f"| {r['code']} | {r['format']} | {mode} | {r['phase']} | {r['prompts']:,} |"
         if r["rc"]:
-            head = f"| {r['code']} | {r['format']} | {r['phase']} | {r['prompts']:,} |"
-            out.append(f"{head} failed (rc {r['rc']}) | | | |")
+            out.append(f"{head} failed (rc {r['rc']}) | | | | |")
             continue
         ranks = " / ".join(f"{m:.0f}" for m in r["rank_peak_mib"])
-        out.append(f"| {r['code']} | {r['format']} | {r['phase']} | {r['prompts']:,} | {r['startup_s']:.1f} | "
-                   f"{ranks} | {r['launcher_peak_mib']:.0f} | {r['load_1m']:.1f} |")
+        index = f"{r['index_s']:.1f}" if r.get("index_s") is not None else "-"
+        out.append(f"{head} {r['startup_s']:.1f} | {index} | {ranks} | {r['launcher_peak_mib']:.0f} | "
+                   f"{r['load_1m']:.1f} |")
     return "\n".join(out)
 
 
@@ -167,6 +217,10 @@ def main() -> None:
     ap.add_argument("--phases", nargs="+", default=["first", "cached"])
     ap.add_argument("--code", type=Path, default=ROOT, help="the rallyrl checkout to run (default: this one)")
     ap.add_argument("--label", default="after")
+    ap.add_argument("--long-prompts", nargs="+", default=[None], choices=["skip", "truncate_left", "error"],
+                    help="data.long_prompts of the runs (default: the config's default); several: each in turn")
+    ap.add_argument("--index", action="store_true",
+                    help="measure only data.long_prompts: error's start-up check (open + length index), per phase")
     ap.add_argument("--work", type=Path, default=Path("/tmp/rallyrl_prompt_scale"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--table", type=Path, nargs="+", help="print the markdown table of these result files")
@@ -180,24 +234,33 @@ def main() -> None:
         print(json.dumps(measure(spec["cmd"], spec["env"], Path(spec["cwd"]))))
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for fmt in args.formats:
-        for n in args.sizes:
+    if args.index:
+        for fmt, n, phase in [(f, n, p) for f in args.formats for n in args.sizes for p in args.phases]:
             data = make_file(args.work, n, fmt)
-            for phase in args.phases:
-                if phase == "first":
-                    shutil.rmtree(args.work / "hf_cache", ignore_errors=True)
-                load = os.getloadavg()[0]
-                res = run_once(args.code.resolve(), args.work, data, f"{args.label}-{fmt}-{n}-{phase}")
-                row = {"code": args.label, "format": fmt, "prompts": n, "phase": phase, "load_1m": load, **res}
-                rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k not in ("first_prompts", "tail")}), flush=True)
-                if res["rc"]:
-                    print(res["tail"], file=sys.stderr)
-                if args.out:
-                    args.out.parent.mkdir(parents=True, exist_ok=True)
-                    old = json.loads(args.out.read_text()) if args.out.exists() else []
-                    args.out.write_text(json.dumps(old + [row], indent=1))
+            if phase == "first":
+                shutil.rmtree(args.work / "hf_cache", ignore_errors=True)
+            load = os.getloadavg()[0]
+            print(json.dumps({"format": fmt, "prompts": n, "phase": phase, "load_1m": load,
+                              **index_once(args.work, data)}), flush=True)
+        return
+    rows = []
+    for fmt, n, mode, phase in [(f, n, m, p) for f in args.formats for n in args.sizes for m in args.long_prompts
+                                for p in args.phases]:
+        data = make_file(args.work, n, fmt)
+        if phase == "first":
+            shutil.rmtree(args.work / "hf_cache", ignore_errors=True)
+        load = os.getloadavg()[0]
+        res = run_once(args.code.resolve(), args.work, data, f"{args.label}-{fmt}-{n}-{mode}-{phase}", mode)
+        row = {"code": args.label, "format": fmt, "prompts": n, "long_prompts": mode, "phase": phase,
+               "load_1m": load, **res}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("first_prompts", "tail")}), flush=True)
+        if res["rc"]:
+            print(res["tail"], file=sys.stderr)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            old = json.loads(args.out.read_text()) if args.out.exists() else []
+            args.out.write_text(json.dumps(old + [row], indent=1))
 
 
 if __name__ == "__main__":

@@ -250,7 +250,8 @@ def _check_main(args: argparse.Namespace) -> int:
         f"{plan.chunk_size} per rank; {plan.epochs} epoch(s) x {plan.num_minibatches} minibatch(es) = "
         f"{plan.optimizer_steps_per_iteration} optimizer steps per iteration, "
         f"{plan.optimizer_steps_per_iteration * cfg.train.iterations} in {cfg.train.iterations} iterations",
-        f"prompts: {len(inp.train_set)} training (longest {longest} tokens), {len(inp.eval_set)} eval",
+        f"prompts: {len(inp.train_set)} training (longest {longest} tokens{inp.train_set.long_summary()}), "
+        f"{len(inp.eval_set)} eval",
         f"reward: {', '.join(f'{f.name} (weight {f.weight:g})' for f in inp.reward_fns)}, placement "
         f"'{cfg.reward.placement}'; eval metric_fn: {'yes' if inp.metric_fn else 'none'}",
         f"model: {cfg.model.path} (config and weight files present; weights not loaded), "

@@ -32,7 +32,7 @@ from . import dist, ops
 from .config import BatchPlan, Config, PPOConfig, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
-from .inputs import Inputs, MetricFn, PromptSet, eval_steps, prepare_inputs
+from .inputs import Inputs, MetricFn, PromptSet, PromptSource, eval_steps, prepare_inputs
 from .learn.advantages import compute_advantages
 from .learn.metrics import iteration_metrics
 from .learn.state import Learner, TrainState
@@ -54,12 +54,14 @@ __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages"
 
 @releases_run_dir_lock  # the run-dir lock (main rank, RunDir.check_start) ends with this call, however it ends
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
-          prompts: Sequence[Any] | str | None = None, eval_prompts: Sequence[Any] | str | None = None,
+          prompts: PromptSource | None = None, eval_prompts: PromptSource | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
           callbacks: Sequence[Any] | None = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``), like ``trlx.train``; every rank
     calls it. ``reward_fn``, ``prompts``, ``eval_prompts``, ``metric_fn`` override ``reward.fn``, ``data.*``,
-    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); docs/data.md, docs/tracking.md."""
+    ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); ``prompts`` /
+    ``eval_prompts`` take what ``data.prompts`` takes or a ``datasets.Dataset`` / ``DatasetDict``;
+    docs/data.md, docs/tracking.md."""
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
     evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()
@@ -173,8 +175,7 @@ def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard
     Every rank prepares (reads, renders, tokenizes, checks) all the drawn prompts, not only its own: a
     prompt that is too long or empty then raises the same error naming its row on every rank, at the
     same point, with no collective; and only this iteration's rows stay in memory."""
-    drawn = state.sampler.next(plan.prompts_per_iteration)
-    prompts.prepare(drawn)
+    drawn = prompts.draw(state.sampler, plan.prompts_per_iteration)  # data.long_prompts: skip draws on
     return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
 
 
@@ -194,11 +195,19 @@ def _rollouts(models: LoadedModels, engine: GenerationEngine, reward_step: Rewar
                                                            ob.penalty))
         return ro, rstats, times
 
-    draw = functools.partial(_next_shard, inp.plan, state, inp.train_set)  # every rank reads the drawn prompts
     if not cfg.rollout.dynamic_sampling:
-        return collect(draw())
-    return sample_groups(draw, collect, inp.plan, cfg.rollout.max_sampling_rounds, cfg.ppo.reward_clip,
-                         models.tokenizer.pad_token_id)
+        return collect(_next_shard(inp.plan, state, inp.train_set))  # every rank reads the drawn prompts
+    drew: dict[str, float] = {}  # data/* of every round's draw (the prompt set reports its last draw's only)
+
+    def draw() -> Shard:
+        shard = _next_shard(inp.plan, state, inp.train_set)
+        for k, v in inp.train_set.draw_metrics().items():
+            drew[k] = drew.get(k, 0.0) + v
+        return shard
+
+    ro, rstats, metrics = sample_groups(draw, collect, inp.plan, cfg.rollout.max_sampling_rounds,
+                                        cfg.ppo.reward_clip, models.tokenizer.pad_token_id)
+    return ro, rstats, metrics | drew
 
 
 def _engine(cfg: Config, models: LoadedModels, state: TrainState,
@@ -224,7 +233,9 @@ def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
     """The iteration's metrics (one all-reduce), the non-finite guard and the KL controller's update."""
     names = [f.name for f in inp.reward_fns] + (["overlong"] if cfg.reward.overlong_buffer is not None else [])
     metrics = iteration_metrics(ro, adv, rstats, upd, names, state, inp.plan)
-    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]}
+    # (with dynamic sampling, times carries data/* summed over the rounds' draws instead of the last draw's)
+    drawn = {} if cfg.rollout.dynamic_sampling else inp.train_set.draw_metrics()
+    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]} | drawn
     metrics |= learner.memory(models.reference)  # this rank's bytes (rank 0's are logged)
     _check_finite(metrics, upd, step, cfg.ppo, run_dir)
     if "policy/kl" in metrics:  # no reference (beta 0, fixed): nothing to control

@@ -53,12 +53,16 @@ def flat_config(cfg: Config) -> dict[str, Any]:
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """Every dotted key whose value differs between two config dicts (``Config.to_dict()`` or a loaded
     ``config.yaml``), in the order of ``new`` then keys only ``old`` has. Ints and equal floats compare
-    equal (``1`` == ``1.0``), so a YAML round trip is no change."""
+    equal (``1`` == ``1.0``), so a YAML round trip is no change; a key only ``new`` has, at its default,
+    is no change either (a run recorded by an older rallyrl resumes after an upgrade)."""
     a, b = _flatten(old), _flatten(new)
+    defaults = _flatten(Config().to_dict())
     out = []
     for key in [*b, *(k for k in a if k not in b)]:
         va, vb = a.get(key, _ABSENT), b.get(key, _ABSENT)
-        if va != vb:
+        # A key the recorded config lacks (written by an older rallyrl) at its default is no change: a
+        # new option's default keeps the behaviour the run had, so an upgrade does not block a resume.
+        if va != vb and not (va == _ABSENT and key in defaults and defaults[key] == vb):
             out.append(Change(key, va, vb, key not in FREE_TO_CHANGE))
     return out
 

@@ -114,4 +114,18 @@ class DataConfig:
         "test", "The split of `data.eval_prompts` when it is a data set name or a folder of several splits."
     )
     shuffle: bool = _f(True, "Shuffle the prompt order each pass over the data (shared seed: all ranks agree).")
+    max_prompt_tokens: int | None = _f(
+        None, "The most tokens a prompt may have (as the run tokenizes it: after the chat template, with the "
+        "tokenizer's special tokens for a plain prompt); null = the model's positions minus "
+        "`generation.max_new_tokens` (no limit for a model without a position limit, e.g. T5). A longer prompt is "
+        "handled by `data.long_prompts`. A value the model's positions cannot hold with `generation.max_new_tokens` "
+        "is an error at start.", gt=0
+    )
+    long_prompts: Literal["error", "truncate_left", "skip"] = _f(
+        "skip", "A prompt longer than `data.max_prompt_tokens`: `skip` leaves it out and draws the next prompt of "
+        "the shared order in its place (every iteration keeps its prompt count; counted in `data/skipped_prompts`); "
+        "`truncate_left` keeps its last `data.max_prompt_tokens` tokens (`data/truncated_prompts`); `error` checks "
+        "every row at start, before any model loads (a length index cached beside the data), and refuses the run "
+        "naming the row. docs/data.md."
+    )
 

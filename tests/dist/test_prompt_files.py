@@ -1,7 +1,7 @@
 """Prompts from Arrow files in real 2-process runs: metadata reaches the reward function aligned (the
 reward fn asserts `expected_prompt` == the prompt in every call), the eval split of a DatasetDict
-folder is used, and a prompt too long for the model raises when an iteration draws it, on every rank,
-naming its row."""
+folder is used, and a prompt too long for the model is skipped by default (a resumed run skips it the
+same) or, with data.long_prompts: error, refused at start naming its row."""
 
 from __future__ import annotations
 
@@ -43,17 +43,58 @@ def test_parquet_prompts_and_a_dataset_dict_eval_split(tiny_model, tmp_path):
     assert set(ids) >= {2, 3, 4}  # the eval split's rows were scored with their metadata
 
 
-def test_a_too_long_prompt_raises_when_drawn_on_every_rank(tiny_model, tmp_path):
+def _long_rows(tmp_path: Path, long: set[int]) -> str:
     import datasets
 
-    sampler = PromptSampler(len(PROMPTS), seed=3)  # base_config's seed: what the run draws
-    first, second = sampler.next(4), sampler.next(4)
-    bad = second[0]  # drawn by iteration 2, not 1
-    rows = [{"prompt": ("the cat sat on the mat " * 40) if i == bad else p} for i, p in enumerate(PROMPTS)]
+    rows = [{"prompt": ("the cat sat on the mat " * 40) + p if i in long else p} for i, p in enumerate(PROMPTS)]
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
-    proc = rallyrl_train(_cfg(tmp_path, tiny_model, "run", {"prompts": str(tmp_path / "p.parquet")}), 2,
-                         timeout=180, HF_DATASETS_CACHE=str(tmp_path / "hf_cache"))
-    assert proc.returncode != 0
-    assert f"data.prompts: prompt {bad} has" in proc.stderr and "generation.max_new_tokens" in proc.stderr
+    return str(tmp_path / "p.parquet")
+
+
+def test_long_rows_are_skipped_by_default_and_a_resumed_run_skips_them_the_same(tiny_model, tmp_path):
+    """Issue 28: a long row no longer stops a run mid-training. The default (data.long_prompts: skip)
+    trains past it (every iteration full, the row never trained on, counted, said once), and a run
+    resumed from a checkpoint taken after skips draws exactly what the uninterrupted run drew."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.helpers.runs import killed_run_copy
+
+    long = set(PromptSampler(len(PROMPTS), seed=3).next(2))  # base_config's seed: iteration 1 draws both
+    data = {"prompts": _long_rows(tmp_path, long)}
+
+    def cfg(name: str) -> Path:
+        c = base_config(tiny_model, tmp_path / name, data=data, rollout={"num_rollouts": 4, "chunk_size": 2},
+                        train={"iterations": 3}, checkpoint={"interval": 1, "keep_last": 3}, dist={"timeout_s": 120})
+        return write_config(tmp_path / f"{name}.yaml", c)
+
+    env = {"HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}
+    a = rallyrl_train(cfg("A"), 2, timeout=300, **env)
+    assert a.returncode == 0, a.stderr[-5000:]
+    assert a.stderr.count("rallyrl: note: data.prompts: prompt") == 1  # rank 0, once
+    assert "skipped (data.long_prompts: skip)" in a.stderr
+    metrics = read_jsonl(tmp_path / "A" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[0]["data/skipped_prompts"] == 2
+    rollouts = read_jsonl(tmp_path / "A" / "rollouts.jsonl")
+    assert [sum(r["step"] == s for r in rollouts) for s in (1, 2, 3)] == [4, 4, 4]
+    assert {r["prompt"] for r in rollouts} <= {p for i, p in enumerate(PROMPTS) if i not in long}
+
+    killed_run_copy(tmp_path / "A", tmp_path / "B", step=1)  # killed after iteration 1's checkpoint
+    b = rallyrl_train(cfg("B"), 2, "--set", "train.resume=latest", timeout=300, **env)
+    assert b.returncode == 0, b.stderr[-5000:]
+    wa, wb = (load_file(tmp_path / run / "final" / "model.safetensors") for run in ("A", "B"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}  # noqa: E731
+    assert [strip(m) for m in read_jsonl(tmp_path / "B" / "metrics.jsonl")] == [strip(m) for m in metrics]
+    assert read_jsonl(tmp_path / "B" / "rollouts.jsonl") == rollouts
+
+
+def test_long_prompts_error_refuses_at_start_naming_the_row(tiny_model, tmp_path):
+    long = {5, 2}
+    data = {"prompts": _long_rows(tmp_path, long), "long_prompts": "error"}
+    proc = rallyrl_train(_cfg(tmp_path, tiny_model, "run", data), 2, timeout=180,
+                         HF_DATASETS_CACHE=str(tmp_path / "hf_cache"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "data.prompts: prompt 2 has" in proc.stderr and "generation.max_new_tokens" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1]  # iteration 1 ran
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any iteration (or model)

@@ -7,6 +7,7 @@ fails the test (both are patched to raise).
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -183,7 +184,7 @@ def short_model(tmp_path_factory) -> Path:
 
 def test_prompt_longer_than_the_model_allows(capsys, write_cfg, run_dir, short_model):
     long = "the cat sat on the mat " * 4
-    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the", long]})
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the", long], "long_prompts": "error"})
     assert_user_error(*cli(capsys, "train", str(path)), "data.prompts", "prompt 1", "16 positions",
                       "generation.max_new_tokens")
     assert not run_dir.exists()
@@ -191,8 +192,28 @@ def test_prompt_longer_than_the_model_allows(capsys, write_cfg, run_dir, short_m
 
 def test_eval_prompt_longer_than_the_model_allows(capsys, write_cfg, run_dir, short_model):
     long = "the cat sat on the mat " * 4
-    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the"], "eval_prompts": [long]})
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the"], "eval_prompts": [long],
+                                                             "long_prompts": "error"})
     assert_user_error(*cli(capsys, "train", str(path)), "data.eval_prompts", "prompt 0", "16 positions")
+    assert not run_dir.exists()
+
+
+def test_check_reports_long_prompts_that_a_run_would_skip(capsys, write_cfg, short_model):
+    long = "the cat sat on the mat " * 4
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": ["the", long, "a dog"]})
+    assert main(["check", str(path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("# prompts:"))
+    assert re.fullmatch(r"# prompts: 3 training \(longest \d+ tokens; 1 longer than 12 tokens \(the model's 16 "
+                        r"positions minus generation.max_new_tokens=4\), first prompt 1: skipped when drawn "
+                        r"\(data.long_prompts: skip\)\), 0 eval", line), line
+
+
+def test_every_prompt_too_long_to_skip(capsys, write_cfg, run_dir, short_model):
+    """data.long_prompts: skip (the default) with nothing left to train on: refused at start."""
+    long = "the cat sat on the mat " * 4
+    path = write_cfg(model={"path": str(short_model)}, data={"prompts": [long, long + "again"]})
+    assert_user_error(*cli(capsys, "train", str(path)), "data.prompts: every prompt of the list is longer than",
+                      "the model's 16 positions", "data.long_prompts: truncate_left")
     assert not run_dir.exists()
 
 

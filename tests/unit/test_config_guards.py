@@ -123,9 +123,19 @@ def test_reward_kwargs_and_fns_compare_as_whole_values():
 
 def test_keys_only_one_side_has_are_changes_needing_permission():
     old = {"ppo": {"lr": 1e-5, "retired": 1}}
-    new = {"ppo": {"lr": 1e-5, "max_nonfinite_skips": 0}}
-    assert config_changes(old, new) == [Change("ppo.max_nonfinite_skips", "<absent>", 0, True),
+    new = {"ppo": {"lr": 1e-5, "max_nonfinite_skips": 3}}
+    assert config_changes(old, new) == [Change("ppo.max_nonfinite_skips", "<absent>", 3, True),
                                         Change("ppo.retired", 1, "<absent>", True)]
+
+
+def test_a_new_key_at_its_default_is_no_change():
+    """A run recorded by an older rallyrl (its config.yaml lacks the options added since) resumes after an
+    upgrade: a new key at its default keeps the behaviour the run had. Set to anything else, it is a change."""
+    new = load_config({}).to_dict()
+    old = {s: {k: v for k, v in keys.items() if (s, k) != ("data", "long_prompts")} for s, keys in new.items()}
+    assert config_changes(old, new) == []
+    new["data"]["long_prompts"] = "error"
+    assert config_changes(old, new) == [Change("data.long_prompts", "<absent>", "error", True)]
 
 
 def test_free_keys_exist_in_the_config():

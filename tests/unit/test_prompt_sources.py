@@ -201,7 +201,9 @@ def test_conversations_from_a_file_are_rendered_when_drawn(tmp_path, tiny_model)
         PromptSet.of(bad, tok, 128, 4, "data.prompts").prepare([1])
 
 
-def test_the_eval_set_is_checked_up_front_and_the_training_set_when_drawn(tmp_path, tiny_model):
+def test_long_prompts_error_checks_every_set_up_front(tmp_path, tiny_model):
+    """data.long_prompts: error: the training set's long row is found at start (its length index), before
+    any model loads, as the eval set's and an inline list's always were."""
     from rallyrl.config import load_config
     from rallyrl.inputs import prepare_inputs
 
@@ -209,14 +211,15 @@ def test_the_eval_set_is_checked_up_front_and_the_training_set_when_drawn(tmp_pa
     f = _write(tmp_path, "parquet", rows)
     base = {"model": {"path": str(tiny_model)}, "train": {"run_dir": str(tmp_path / "run")},
             "rollout": {"num_rollouts": 2, "chunk_size": 2}, "reward": {"fn": "tests.helpers.rewards:hashed"}}
-    inp = prepare_inputs(load_config({**base, "data": {"prompts": str(f)}}), 1)  # fine until row 1 is drawn
-    assert len(inp.train_set) == 2 and not len(inp.eval_set)
+    err = {"long_prompts": "error"}
     with pytest.raises(ConfigError, match=r"^data.prompts: prompt 1 has"):
-        inp.train_set.prepare([0, 1])
+        prepare_inputs(load_config({**base, "data": {"prompts": str(f), **err}}), 1)
     with pytest.raises(ConfigError, match=r"^data.eval_prompts: prompt 1 has"):
-        prepare_inputs(load_config({**base, "data": {"prompts": ["the cat"], "eval_prompts": str(f)}}), 1)
-    with pytest.raises(ConfigError, match=r"^data.prompts: prompt 1 has"):  # an inline list: up front
-        prepare_inputs(load_config({**base, "data": {"prompts": [r["prompt"] for r in rows]}}), 1)
+        prepare_inputs(load_config({**base, "data": {"prompts": ["the cat"], "eval_prompts": str(f), **err}}), 1)
+    with pytest.raises(ConfigError, match=r"^data.prompts: prompt 1 has"):  # an inline list
+        prepare_inputs(load_config({**base, "data": {"prompts": [r["prompt"] for r in rows], **err}}), 1)
+    inp = prepare_inputs(load_config({**base, "data": {"prompts": str(f)}}), 1)  # skip (the default): starts
+    assert len(inp.train_set) == 2
 
 
 def test_inline_prompts_never_import_datasets():
