@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import dist, ops
 from .config import BatchPlan, Config, PPOConfig, engine_logprobs_exact, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
@@ -42,6 +42,7 @@ from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, StepStats
 from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
+from .rollout.dynamic import sample_groups
 from .run import checkpoint as ckpt
 from .run.console import RunLog, TrainResult
 from .run.lock import releases_run_dir_lock
@@ -76,7 +77,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
         engine, spec = _engine(cfg, models, state, device)  # hf: the policy's own weights; vllm: a pushed copy
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                      TrainResult(run_dir.path), callbacks)
-        log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
+        log.start(inp.plan, cfg, resumed_from, state.iteration, was_world_size)
         reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
         run_eval = functools.partial(_evaluate, models, engine, reward_step, inp, cfg, device, log)
         try:
@@ -86,10 +87,9 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             for step in range(state.iteration + 1, cfg.train.iterations + 1):
                 t_iter = time.perf_counter()
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
-                # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
-                shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
-                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device,
-                                                     from_generation=cfg.rollout.logprobs_from == "generate")
+                # 1-2. rollouts (G completions of each drawn prompt; DAPO's rounds with rollout.dynamic_sampling)
+                # + the central reward step
+                ro, rstats, times = _rollouts(models, engine, reward_step, inp, state, spec, cfg, device)
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
                 # vllm: the engine/trainer mismatch (engine/*) and ppo.engine_correction on the advantages
@@ -191,6 +191,38 @@ def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard
     return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
 
 
+def _rollouts(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs,
+              state: TrainState, spec: SamplingSpec, cfg: Config,
+              device: torch.device) -> tuple[Rollouts, StepStats, dict[str, float]]:
+    """The iteration's rollouts: one draw of prompts, or with ``rollout.dynamic_sampling`` DAPO's rounds of
+    draws until the batch holds enough groups whose rewards differ (rollout/dynamic.py). Each round's scores
+    carry ``reward.overlong_buffer``'s penalty before anything reads them."""
+    ob = cfg.reward.overlong_buffer
+
+    def collect(shard: Shard) -> tuple[Rollouts, StepStats, dict[str, float]]:
+        ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device,
+                                             from_generation=cfg.rollout.logprobs_from == "generate")
+        if ob is not None:  # a reward component of its own (reward/overlong), on every sample
+            lengths = ro.action_mask.sum(1)  # (B,) the tokens the policy sampled
+            ro.add_reward("overlong", ops.overlong_penalty(lengths, cfg.generation.max_new_tokens, ob.length,
+                                                           ob.penalty))
+        return ro, rstats, times
+
+    if not cfg.rollout.dynamic_sampling:
+        return collect(_next_shard(inp.plan, state, inp.train_set))  # every rank reads the drawn prompts
+    drew: dict[str, float] = {}  # data/* of every round's draw (the prompt set reports its last draw's only)
+
+    def draw() -> Shard:
+        shard = _next_shard(inp.plan, state, inp.train_set)
+        for k, v in inp.train_set.draw_metrics().items():
+            drew[k] = drew.get(k, 0.0) + v
+        return shard
+
+    ro, rstats, metrics = sample_groups(draw, collect, inp.plan, cfg.rollout.max_sampling_rounds,
+                                        cfg.ppo.reward_clip, models.tokenizer.pad_token_id)
+    return ro, rstats, metrics | drew
+
+
 def _engine(cfg: Config, models: LoadedModels, state: TrainState,
             device: torch.device) -> tuple[GenerationEngine, SamplingSpec]:
     """The generation engine and the training rollouts' sampling spec. The engine's weight version is the
@@ -225,8 +257,11 @@ def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str,
                 inp: Inputs, state: TrainState, learner: Learner, models: LoadedModels, step: int, cfg: Config,
                 run_dir: RunDir) -> dict[str, float]:
     """The iteration's metrics (one all-reduce), the non-finite guard and the KL controller's update."""
-    metrics = iteration_metrics(ro, adv, rstats, upd, [f.name for f in inp.reward_fns], state, inp.plan)
-    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]} | inp.train_set.draw_metrics()
+    names = [f.name for f in inp.reward_fns] + (["overlong"] if cfg.reward.overlong_buffer is not None else [])
+    metrics = iteration_metrics(ro, adv, rstats, upd, names, state, inp.plan)
+    # (with dynamic sampling, times carries data/* summed over the rounds' draws instead of the last draw's)
+    drawn = {} if cfg.rollout.dynamic_sampling else inp.train_set.draw_metrics()
+    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]} | drawn
     metrics |= learner.memory(models.reference)  # this rank's bytes (rank 0's are logged)
     _check_finite(metrics, upd, step, cfg.ppo, run_dir)
     if "policy/kl" in metrics:  # no reference (beta 0, fixed): nothing to control

@@ -17,6 +17,15 @@ class RewardFnSpec:
 
 
 @dataclass
+class OverlongBufferConfig:
+    length: int = _f(
+        0, "Required: the soft zone, in tokens, at the end of `generation.max_new_tokens` (1 .. max_new_tokens).",
+        ge=1, why="required when reward.overlong_buffer is set",
+    )
+    penalty: float = _f(1.0, "The penalty at `generation.max_new_tokens` tokens (DAPO's 1.0).", gt=0)
+
+
+@dataclass
 class RewardConfig:
     fn: str | None = _f(
         None, "Import path of the reward function (`pkg.mod:attr` or `file.py:attr`); or pass `reward_fn=`."
@@ -71,6 +80,13 @@ class RewardConfig:
         [], "With `reward.server: local`: more `rallyrl serve-reward` options, e.g. `[--max-wait-ms, '20']` "
             "(--max-batch, --max-wait-ms, --no-batching, --max-body-mb; the function, host and port are "
             "set by rallyrl).",
+    )
+    overlong_buffer: OverlongBufferConfig | None = _f(
+        None,
+        "DAPO's soft overlong punishment: `{length: L, penalty: p}` adds `-p * clamp(n - (max_new_tokens - L), 0, "
+        "L) / L` to the score of a response of `n` sampled tokens (0 up to `max_new_tokens - L`, then linear down "
+        "to `-p` at `generation.max_new_tokens`), logged as the reward component `reward/overlong`; null = off. "
+        "See docs/algorithms.md.",
     )
 
 

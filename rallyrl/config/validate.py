@@ -26,6 +26,7 @@ def validate(cfg: Config) -> None:
                           f"(greedy decoding would give the same completion {cfg.eval.samples_per_prompt} times)")
     _check_estimator(cfg)
     _check_engine(cfg)
+    _check_objective(cfg)
     _check_model(cfg)
     _check_reward(cfg.reward)
 
@@ -86,6 +87,34 @@ def _check_estimator(cfg: Config) -> None:
                           f"the other completions of the same prompt), got {G}")
     if ppo.drop_zero_std_groups and not ppo.critic_free:
         raise ConfigError("ppo.drop_zero_std_groups is for ppo.estimator grpo or rloo (groups of completions)")
+
+
+def _check_objective(cfg: Config) -> None:
+    """The policy-loss variants and DAPO's sampling and shaping, across fields (docs/algorithms.md)."""
+    ppo, ro = cfg.ppo, cfg.rollout
+    if ppo.policy_loss == "cispo":
+        for key, unset in (("ratio_level", ppo.ratio_level == "token"), ("dual_clip", ppo.dual_clip is None),
+                           ("clip_range_high", ppo.clip_range_high is None)):
+            if not unset:
+                raise ConfigError(f"ppo.{key}={getattr(ppo, key)!r} does not apply to ppo.policy_loss=cispo (CISPO "
+                                  f"clips a per-token importance weight with ppo.cispo_clip_low/high, not the loss)")
+    if ppo.ratio_level == "sequence" and ppo.clip_range_high is not None:
+        raise ConfigError("ppo.clip_range_high is the token ratio's; with ppo.ratio_level=sequence set "
+                          "ppo.sequence_clip_range_high")
+    if ro.dynamic_sampling and (not ppo.critic_free or ro.samples_per_prompt < 2):
+        raise ConfigError(f"rollout.dynamic_sampling keeps groups whose rewards differ: it needs ppo.estimator grpo "
+                          f"or rloo and rollout.samples_per_prompt >= 2 (got ppo.estimator={ppo.estimator}, "
+                          f"rollout.samples_per_prompt={ro.samples_per_prompt})")
+    ob, n = cfg.reward.overlong_buffer, cfg.generation.max_new_tokens
+    if ob is not None:
+        if ob.length > n:
+            raise ConfigError(f"reward.overlong_buffer.length must be in [1, generation.max_new_tokens={n}], "
+                              f"got {ob.length}")
+        r = cfg.reward
+        names = [reward_fn_name(f) for f in r.fns] + ([r.fn.rsplit(":", 1)[-1]] if r.fn else [])
+        if "overlong" in names:
+            raise ConfigError("reward.overlong_buffer logs its penalty as the reward component 'overlong': rename the "
+                              "reward function of that name (reward.fns[i].name)")
 
 
 def _check_model(cfg: Config) -> None:
@@ -185,6 +214,10 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.ppo.kl_in == "loss" and cfg.ppo.kl_estimator == "k1" and cfg.ppo.uses_reference:
         out.append("ppo.kl_in=loss with ppo.kl_estimator=k1: the gradient of k1 in the loss is zero in "
                    "expectation (it does not pull the policy towards the reference); use k3 (GRPO) or k2")
+    if cfg.ppo.ratio_level == "sequence" and cfg.ppo.loss_aggregation != "seq_mean_token_mean":
+        out.append(f"ppo.ratio_level=sequence with ppo.loss_aggregation={cfg.ppo.loss_aggregation}: each sequence's "
+                   f"loss then counts in proportion to its length; the GSPO paper's objective (one term per "
+                   f"sequence) is ppo.loss_aggregation=seq_mean_token_mean (TRL warns the same)")
     if cfg.ppo.critic_free and cfg.model.value_head != "linear":
         out.append(f"model.value_head={cfg.model.value_head} is ignored: ppo.estimator={cfg.ppo.estimator} "
                    f"trains no value head")

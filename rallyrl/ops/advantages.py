@@ -274,3 +274,49 @@ def _scorable_only(s: Tensor, ids: Tensor, scorable: Tensor, estimator: str, sca
     group_std = s.new_zeros(P)  # (P,)
     group_std[: len(std_k)] = std_k
     return adv, group_zero[ids], group_std
+def group_spread(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """Whether each group id's scores are not all equal: ``(P,)`` bool, ``P = max id + 1``.
+
+    DAPO's dynamic-sampling test (Yu et al. 2025, section 3.2: ``0 < |{o_i correct}| < G``), generalised
+    to any score: a group whose members all scored the same has advantage exactly 0 under
+    :func:`group_advantages` and teaches nothing. False for a group of one and for an id without
+    samples. Gathered per id (``scatter_reduce``), never by reshaping, like the group statistics.
+
+    Args:
+        scores: ``(N,)`` one score per sample, of the whole global batch.
+        group_ids: ``(N,)`` int group id per sample.
+    """
+    s = scores.detach().to(torch.float64).reshape(-1)  # (N,)
+    ids = group_ids.to(torch.long).reshape(-1)  # (N,)
+    if s.shape != ids.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} differ")
+    P = int(ids.max()) + 1 if len(ids) else 0
+    hi = torch.full((P,), -math.inf, dtype=s.dtype).scatter_reduce(0, ids, s, "amax")  # (P,)
+    lo = torch.full((P,), math.inf, dtype=s.dtype).scatter_reduce(0, ids, s, "amin")  # (P,)
+    return hi > lo  # an unused id: -inf > inf is False
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, section 3.4), scaled by ``penalty``.
+
+    ``0`` for ``L <= max_len - buffer``, then linear down to ``-penalty`` at ``L = max_len``:
+
+        R(L) = -penalty * clamp(L - (max_len - buffer), 0, buffer) / buffer
+
+    (DAPO: ``penalty`` 1, ``buffer`` = L_cache; TRL's ``get_soft_overlong_punishment``, veRL's
+    ``overlong_buffer_cfg``, OpenRLHF's ``overlong_buffer_len`` / ``overlong_penalty_factor``.) A
+    length beyond ``max_len`` gets ``-penalty`` too.
+
+    Args:
+        lengths: ``(B,)`` response lengths in tokens.
+        max_len: the length budget (``generation.max_new_tokens``).
+        buffer: the soft zone's length, ``1 <= buffer <= max_len``.
+        penalty: the penalty at ``max_len`` (``>= 0``).
+
+    Returns:
+        ``(B,)`` float64 penalties (<= 0), to add to the scores.
+    """
+    if not 1 <= buffer <= max_len:
+        raise ValueError(f"overlong buffer {buffer} must be in [1, max_len={max_len}]")
+    excess = (lengths.to(torch.float64) - (max_len - buffer)).clamp(min=0, max=buffer)  # (B,)
+    return -penalty * excess / buffer

@@ -9,7 +9,8 @@ reward model saw a different ending than the tokens that were trained on).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ class Episodes:
     logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     version: int = 0  # the engine's weight version that sampled them
+    truncated: list[bool] = field(default_factory=list)  # per episode: cut by max_new_tokens (see cut_by_length)
 
     def __len__(self) -> int:
         return len(self.outputs)
@@ -56,9 +58,23 @@ def run_episodes(engine: GenerationEngine, tokenizer: object, query_ids: list[li
     q, qm = pad(query_ids, pad_id, left=True)  # (B, Q)
     r_ids, rm = pad(sampled.token_ids, pad_id, left=False)  # (B, T)
     outputs = [tokenizer.decode(r, skip_special_tokens=True) for r in sampled.token_ids]  # type: ignore[attr-defined]
-    ep = Episodes(q, qm, r_ids, rm, rm.clone(), sampled.token_ids, outputs, version=sampled.version)
+    ep = Episodes(q, qm, r_ids, rm, rm.clone(), sampled.token_ids, outputs, version=sampled.version,
+                  truncated=[cut_by_length(r, spec, tokenizer) for r in sampled.token_ids])
     if sampled.logprobs is not None:
         T = r_ids.shape[1]  # <= T': the cuts only shorten responses, token t stays at column t
         ep.logprobs = sampled.logprobs[:, :T].cpu() * rm  # (B, T), 0 off the actions
         ep.values = sampled.values[:, :T].cpu() * rm if sampled.values is not None else None
     return ep
+
+
+def cut_by_length(ids: list[int], spec: SamplingSpec, tokenizer: Any) -> bool:
+    """Whether a response ended because ``spec.max_new_tokens`` ran out rather than by choice: it has
+    that many tokens, its last is not a stop token, and its text holds no stop sequence (an engine cuts
+    a response after the token completing a stop sequence, so one found here was completed by the last
+    token). TRL's ``is_truncated`` tests the last token against EOS and pad only."""
+    if len(ids) < spec.max_new_tokens or ids[-1] in spec.stop_token_ids:
+        return False
+    if spec.stop_sequences:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return not any(s in text for s in spec.stop_sequences)
+    return True

@@ -323,3 +323,22 @@ def trl_unscorable(prompts, completions, completion_ids, answer, **kwargs):
         s = deterministic_score(_text(p), _text(c))
         out.append(None if a is None or s < 0.25 else s)
     return out
+def hashed_pass_fail(samples, prompts, outputs, **kwargs):
+    """A verifiable-looking 0/1 reward: 1 for about a quarter of (prompt, output) pairs (`hashed` < 0.25).
+    Groups of 4 then often score all 0 (about 1 in 3): what DAPO's dynamic sampling discards."""
+    return [float(s < 0.25) for s in hashed(samples, prompts, outputs, **kwargs)]
+
+
+def pass_fail_noisy(samples, prompts, outputs, **kwargs):
+    """`hashed_pass_fail`'s scores, moving every global RNG stream as `hashed_noisy` does."""
+    return [float(s < 0.25) for s in hashed_noisy(samples, prompts, outputs, **kwargs)]
+
+
+def pass_fail_sharded(samples, prompts, outputs, **kwargs):
+    """`hashed_pass_fail`'s scores, computed over the ranks with a real collective (`hashed_sharded`)."""
+    return [float(s < 0.25) for s in hashed_sharded(samples, prompts, outputs, **kwargs)]
+
+
+def pass_fail_with_crashes(samples, prompts, outputs, **kwargs):
+    """`hashed_pass_fail`'s scores with `hashed_with_crashes`' fault injection (pause, kill, hang)."""
+    return [float(s < 0.25) for s in hashed_with_crashes(samples, prompts, outputs, **kwargs)]
