@@ -114,6 +114,21 @@ def test_filler_groups_stay_out_of_the_statistics_and_the_loss():
     assert adv.stats["policy/advantage_abs"] == pytest.approx(0.5 / s)
 
 
+def test_filler_groups_and_unscorable_samples_both_stay_out_of_the_statistics():
+    """Dynamic sampling with a reward that returns None for some samples: a group's baseline is over its
+    scorable members of the trained groups only."""
+    ro = _round(0, [0.0, 1.0, 9.0, 2.0, 7.0, 7.0])  # groups of 2: (0, 1), (9, 2), (7, 7)
+    ro.filler = [False, False, False, False, True, True]
+    ro.scorable = torch.tensor([True, True, False, True, True, True])
+    state, ppo = _state(group_scale="batch")
+    adv = compute_advantages(ro, state, ppo)
+    # kept and scorable: 0, 1 (group 0) and 2 (group 1, alone: no baseline, advantage 0); the 9 is not
+    # scored and the filler group is out. Batch std over 0, 1, 2 = 1: group 0 -> -0.5, 0.5.
+    assert adv.seq_advantages == pytest.approx([-0.5, 0.5, 0, 0, 0, 0])
+    assert adv.loss_mask.any(1).tolist() == [True, True, True, True, False, False]
+    assert adv.stats["reward/zero_std_groups"] == pytest.approx(1 / 2)
+
+
 def test_mask_truncated_leaves_the_loss_not_the_group_statistics():
     ro = _round(0, [0.0, 1.0, 2.0, 4.0, 3.0, 3.0])
     ro.truncated = [True, False, False, False, False, False]
