@@ -47,6 +47,7 @@ from .run import checkpoint as ckpt
 from .run.console import RunLog, TrainResult
 from .run.lock import releases_run_dir_lock
 from .run.rundir import RunDir
+from .run.stage import checkpoint_stage, save_final
 from .seeding import seed_everything, stream_seed
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
@@ -110,12 +111,12 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 state.iteration = step
                 stop = log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})  # callbacks
                 # 7. checkpoint (collective, atomic); SIGTERM/SIGUSR1 on any rank: all stop here (checkpoint.on_signal)
-                run_dir.checkpoint(step, models.policy, learner, state, cfg.checkpoint, stopping=stop)
+                checkpoint_stage(run_dir, step, models.policy, learner, state, cfg.checkpoint, stopping=stop)
                 if stop:  # a callback's "stop", broadcast: every rank leaves after this iteration
                     break
             log.close()
             if cfg.train.save_final:
-                run_dir.save_final(models.policy, models.tokenizer, log.result)
+                save_final(run_dir, models.policy, models.tokenizer, log.result)
             dist.barrier()  # every rank leaves together (a peer still receiving the last broadcast must not see us go)
         except KeyboardInterrupt as stop:
             log.interrupted(state.iteration, run_dir.newest_checkpoint(), stop)
