@@ -98,10 +98,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
                 upd = ppo_update(learner, ro, adv, state, cfg.ppo, cfg.generation.temperature,
                                  cfg.generation.max_new_tokens, device)
-                t_sync = time.perf_counter()
-                engine.sync(models.policy)  # the next samples come from the updated weights (vllm: pushed, probed)
-                if hasattr(engine, "stats"):  # an engine with its own copy of the weights (vllm)
-                    engine_metrics |= engine.stats() | {"time/engine_sync": time.perf_counter() - t_sync}
+                engine_metrics |= _sync(engine, models.policy)  # the next samples come from the updated weights
                 # 6. statistics (one all-reduce), KL controller, logs, eval
                 metrics = _statistics(ro, adv, rstats, upd, times, inp, state, learner, models, step, cfg, run_dir)
                 metrics |= engine_metrics
@@ -180,6 +177,16 @@ def _reward_host(cfg: Config, inp: Inputs) -> Iterator[RewardStep]:
         yield step
     finally:
         step.close()
+
+
+def _sync(engine: GenerationEngine, policy: Any) -> dict[str, float]:
+    """``engine.sync`` after the optimizer phase: a no-op for the HF engine (it runs the policy's own
+    weights); vllm pushes and probes them, and reports ``engine/*`` and ``time/engine_sync``."""
+    t_sync = time.perf_counter()
+    engine.sync(policy)
+    if not hasattr(engine, "stats"):  # only an engine with its own copy of the weights has any
+        return {}
+    return engine.stats() | {"time/engine_sync": time.perf_counter() - t_sync}
 
 
 def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard:
