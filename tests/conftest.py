@@ -38,6 +38,13 @@ def tiny_llama(tiny_model, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_chat(tiny_model, tmp_path_factory):
+    """A tiny GPT-2 with ChatML special tokens (``<|im_end|>`` = EOS) and a Qwen/Hermes-style tool template
+    (tests/helpers/chat.py), built locally."""
+    from tests.helpers.chat import build_tiny_chat
+
+    return build_tiny_chat(tmp_path_factory.mktemp("tiny") / "chat", tiny_model)
 # A minimal chat template (role markers, one message a line), so conversational prompts render offline
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")

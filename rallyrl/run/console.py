@@ -20,7 +20,7 @@ from .. import dist
 from ..callbacks import Callbacks
 from ..config import Config, config_warnings
 from ..errors import Preempted
-from .logs import RunWriter
+from .logs import RunWriter, episode_records
 from .result import TrainResult
 
 if TYPE_CHECKING:
@@ -179,6 +179,8 @@ class RunLog:
         recs = [{"step": step, "rank": rank, "index": i, "group": ro.group[k], "prompt": p, "output": o,
                  "reward": totals[k], "advantage": advantages[k], "kl": kls[k]}
                 for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
+        if ro.episodes:
+            recs = episode_records(recs, ro.episodes)
         gathered = dist.gather_objects(recs, dst=0)
         if self.writer and gathered:
             self.writer.log_rollouts([r for part in gathered for r in part])
