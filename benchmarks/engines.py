@@ -138,7 +138,7 @@ def _train_cmd(engine: str, model_dir: Path, run_dir: Path, iterations: int, cur
 
 
 def run_train(engine: str, model_dir: Path, work: Path, iterations: int, curve: bool, tag: str) -> dict[str, Any]:
-    from benchmarks.common import read_metrics, run_timed
+    from benchmarks.common import read_jsonl, read_metrics, run_timed
 
     run_dir = work / f"{'curve' if curve else 'grpo'}_{engine}_{tag}"
     proc = run_timed(_train_cmd(engine, model_dir, run_dir, iterations, curve), run_dir.with_suffix(".log"))
@@ -151,7 +151,9 @@ def run_train(engine: str, model_dir: Path, work: Path, iterations: int, curve: 
            "engine_metrics": [{k: v for k, v in x.items() if k.startswith("engine/") or k == "time/engine_sync"}
                               for x in steps]}
     if curve:
-        out["eval_correct"] = {str(x["step"]): x["eval/correct"] for x in m if "eval/correct" in x}
+        # read_metrics leaves out step 0, the evaluation before training: the curve starts there
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        out["eval_correct"] = {str(x["step"]): x["eval/correct"] for x in rows if "eval/correct" in x}
     return out
 
 
@@ -183,10 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     model = _model_dir()
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "settings": q,
                               "load_start": os.getloadavg()[0]}
-    out = ROOT / args.out
-    old = json.loads(out.read_text()) if out.is_file() else {}
     # Parts may come from separate invocations (the file is merged), so each keeps its own date/settings/load
-    meta: dict[str, Any] = old.get("meta", {})
+    meta: dict[str, Any] = {}
     names = [e for e in ENGINES if args.engines is None or e in args.engines.split(",")]
     if "generate" in parts:
         from benchmarks.common import run_timed
@@ -211,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
             report[part] = {r["engine"]: r for r in runs}
             meta[part] = _meta(report, q, t0)
     report["load_end"] = os.getloadavg()[0]
-    report["meta"] = meta
+    out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    report["meta"] = old.get("meta", {}) | meta
     out.write_text(json.dumps(old | report, indent=2) + "\n")
     print(f"[engines] wrote {out}")
     return 0
