@@ -30,6 +30,14 @@ class RolloutConfig:
         "forward less per chunk; equal to `forward`'s up to float rounding of the KV-cached math (~1e-5 "
         "in float32; more in bf16, where veRL and OpenRLHF recompute for that reason).",
     )
+    max_episode_tokens: int | None = _f(
+        None,
+        "Multi-turn episodes (`env.factory`): the most tokens a training row's context may hold, prompt + every "
+        "turn + the environment's messages (null = the model's positions). A turn is cut where it would pass it; "
+        "an environment reply that would not fit with room for one more token ends the episode as truncated "
+        "(the reply is not shown). See docs/environments.md.",
+        gt=0,
+    )
     dynamic_sampling: bool = _f(
         False,
         "DAPO's dynamic sampling (`ppo.estimator: grpo | rloo`): keep drawing `num_rollouts / G` prompts and "

@@ -28,6 +28,7 @@ def validate(cfg: Config) -> None:
     _check_engine(cfg)
     _check_objective(cfg)
     _check_model(cfg)
+    _check_env(cfg)
     _check_reward(cfg.reward)
 
 
@@ -126,6 +127,41 @@ def _check_model(cfg: Config) -> None:
     if (isinstance(tm, str) and tm != "all-linear") or (isinstance(tm, list) and (not tm or "" in tm)):
         raise ConfigError(f"model.lora.target_modules must be 'all-linear' or a non-empty list of module names, "
                           f"got {tm!r}")
+
+
+# Why `env.factory` (or `train(env=...)`, checked in inputs.py) needs the hf engine: the multi-turn loop
+# calls engine.generate per turn like any engine, but its training rows do not yet carry a separate
+# engine's log-probs apart from the trainer's (`engine_logprobs`: ppo.engine_correction, engine/*), and
+# multi-turn episodes have not been run on vLLM.
+ENV_ENGINE = ("multi-turn episodes (env.factory / train(env=...)) need generation.engine: hf for now: their training "
+              "rows do not carry a separate engine's log-probs (ppo.engine_correction, engine/* metrics); "
+              "set generation.engine: hf")
+
+
+def env_refusal(cfg: Config) -> str | None:
+    """Why this config cannot run multi-turn episodes, or None. Besides the engine: the options of issue 29
+    that read a sample's length or keep or drop whole rows are defined for single-turn samples (one row a
+    sample, its length the sampled response), not for episodes split over turns and forked rows."""
+    if cfg.generation.engine != "hf":
+        return ENV_ENGINE
+    single = [k for k, on in (("rollout.dynamic_sampling", cfg.rollout.dynamic_sampling),
+                              ("reward.overlong_buffer", cfg.reward.overlong_buffer is not None),
+                              ("ppo.mask_truncated", cfg.ppo.mask_truncated)) if on]
+    if single:
+        return (f"{', '.join(single)} work on single-turn samples only, not on multi-turn episodes (env.factory / "
+                f"train(env=...)): an episode spans several turns and, after a fork, several rows; turn it off "
+                f"(a long episode is bounded by rollout.max_episode_tokens and ends as episode/truncated)")
+    return None
+
+
+def _check_env(cfg: Config) -> None:
+    """Multi-turn episodes (docs/environments.md)."""
+    if cfg.env.factory is not None and (why := env_refusal(cfg)):
+        raise ConfigError(why)
+    if cfg.env.on_template_drift == "fork" and cfg.model.sharding == "fsdp" and cfg.ppo.micro_batch_size:
+        raise ConfigError("env.on_template_drift: fork with model.sharding: fsdp needs ppo.micro_batch_size: null: a "
+                          "fork adds a training row on one rank only, and under fsdp every rank must run the same "
+                          "number of micro-batches")
 
 
 def _check_reward(r: RewardConfig) -> None:

@@ -39,6 +39,8 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
             # Its KL still counts in policy/kl (seq_kl above): the policy did sample it.
             m = m & ro.scorable.unsqueeze(1)  # (B, T)
         kl = kl_tok if kl_tok is not None else torch.zeros_like(ro.logprobs)
+        if any(ro.segment):  # a forked episode's earlier rows bootstrap from the row that continues it
+            scores = scores + _fork_bootstrap(ro, ppo.gamma)
         rewards = ops.penalized_rewards(kl, m, beta, scores, dense)  # (B, T)
         adv, returns = ops.gae(rewards, ro.values, m, ppo.gamma, ppo.lam)  # (B, T)
         if ppo.whiten_advantages:
@@ -62,8 +64,14 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
     scorable = None  # (N,) bool: left out of their group's statistics, advantage 0 (TRL #5902)
     if any(p[4] is not None for p in parts):
         scorable = torch.tensor([x for p in parts for x in (p[4] or [True] * len(p[0]))])[order]
+    index = index[order]
+    if len(torch.unique(index)) < len(index):  # forked episodes (several rows): one score per episode
+        # (dynamic sampling is refused with environments, so no row is a filler here)
+        index, groups, all_scores, scorable = _per_episode(index, groups, all_scores, scorable)
+        filler = torch.zeros(len(index), dtype=torch.bool)
     adv_all, zero_all, group_std = _group_advantages(all_scores, groups, filler, scorable, ppo)
-    pos = torch.searchsorted(index[order], torch.tensor(ro.global_index, dtype=index.dtype))  # (B,) mine
+    # (B,) mine: each row's episode (the rows of a forked episode share its advantage)
+    pos = torch.searchsorted(index, torch.tensor(ro.global_index, dtype=index.dtype))
     seq_adv, zero = adv_all[pos], zero_all[pos]  # (B,)
     adv = seq_adv.to(ro.logprobs.dtype).unsqueeze(1) * m  # (B, T): the outcome's advantage on every token
     loss_mask = m & ~zero.unsqueeze(1) if ppo.drop_zero_std_groups else m
@@ -104,6 +112,36 @@ def _truncation_stats(ro: Rollouts, ppo: PPOConfig) -> dict[str, float]:
         return {}
     n = dist.all_reduce_sum(torch.tensor([float(ro.flags("truncated").sum()), float(len(ro))], dtype=torch.float64))
     return {"rollout/truncated": float(n[0] / n[1].clamp(min=1))}
+
+
+def _per_episode(index: torch.Tensor, groups: torch.Tensor, scores: torch.Tensor, scorable: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows (sorted by global index; a forked episode's rows share it) -> one entry per episode: its index,
+    group and score, the sum of its rows' scores (the episode's score sits on its last row, each row adds
+    its own dense rewards and KL), and whether it has a reward (the same on each of its rows), so the group
+    statistics count episodes, not rows."""
+    uniq, inverse = torch.unique(index, sorted=True, return_inverse=True)  # (E,), (N,)
+    summed = torch.zeros(len(uniq), dtype=torch.float64).index_add(0, inverse, scores)  # (E,)
+    groups_e = torch.zeros(len(uniq), dtype=groups.dtype).scatter(0, inverse, groups)  # (E,)
+    scorable_e = None if scorable is None else torch.zeros(len(uniq), dtype=torch.bool).scatter(0, inverse, scorable)
+    return uniq, groups_e, summed, scorable_e
+
+
+def _fork_bootstrap(ro: Rollouts, gamma: float) -> torch.Tensor:
+    """(B,) ``gamma * V(s')`` for each row that a fork continued, where ``s'`` is the first action token
+    of the episode's next row, else 0; added to the row's score, which the reward shaping places on its
+    last action token. The GAE chain of an episode split over rows is then each row's own chain with a
+    bootstrapped end (a truncated trajectory's usual treatment), instead of a terminal 0 mid-episode."""
+    boot = torch.zeros(len(ro))
+    if ro.values is None:
+        return boot
+    at = {(g, s): i for i, (g, s) in enumerate(zip(ro.global_index, ro.segment))}
+    for i, (g, s) in enumerate(zip(ro.global_index, ro.segment)):
+        j = at.get((g, s + 1))
+        if j is not None:
+            first = int(ro.action_mask[j].nonzero()[0])
+            boot[i] = gamma * float(ro.values[j, first])
+    return boot
 
 
 def _scaled_scores(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -38,33 +38,22 @@ def _call_bounded(fn: RewardFn, args: tuple, kwargs: dict[str, Any], timeout_s: 
     """``fn(*args, **kwargs)`` inside ``isolated_rng()`` on a helper thread, waited for at most
     ``timeout_s``. The caller's thread only waits meanwhile, so the RNG save/restore cannot race with it;
     a call that overruns cannot be killed: it is left running (a daemon thread) and the run stops."""
-    import threading
-
     import torch
 
     from ..seeding import isolated_rng
+    from ..threads import call_within
 
     # The current CUDA device is per thread: the helper uses the caller's (a rank's own GPU, not cuda:0).
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    box: dict[str, Any] = {}
 
-    def run() -> None:
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            with isolated_rng():
-                box["out"] = fn(*args, **kwargs)
-        except BaseException as e:  # re-raised on the caller's thread
-            box["error"] = e
+    def run() -> Any:
+        if device is not None:
+            torch.cuda.set_device(device)
+        with isolated_rng():
+            return fn(*args, **kwargs)
 
-    t = threading.Thread(target=run, name="rallyrl-reward-call", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise RewardTimeoutError(f"reward function {name!r} did not return within reward.timeout_s={timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["out"]
+    return call_within(timeout_s, run, "rallyrl-reward-call", lambda: RewardTimeoutError(
+        f"reward function {name!r} did not return within reward.timeout_s={timeout_s:g} s"))
 
 
 def score_samples(

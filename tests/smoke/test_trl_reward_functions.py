@@ -6,7 +6,6 @@ model loads or any worker starts, the signatures and columns that used to fail a
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import subprocess
 from pathlib import Path
@@ -22,23 +21,10 @@ from tests.helpers.runs import base_config
 
 pytestmark = pytest.mark.smoke
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 # 4 conversational prompts; the last has no answer, so all of its samples are unscorable
 ROWS = [{"prompt": [{"role": "user", "content": w}], "answer": a}
         for w, a in (("the cat", "a"), ("a dog", "o"), ("good morning", "g"), ("i like", None))]
 
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_model, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("chat") / "gpt2"
-    shutil.copytree(tiny_model, out)
-    tok = AutoTokenizer.from_pretrained(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
 
 
 def _run(model, run_dir, calls, **ppo):
