@@ -9,6 +9,7 @@ index (``at_k_metrics``), never from positions in a rank-ordered list."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -69,7 +70,9 @@ def evaluate(engine: GenerationEngine, tokenizer: Any, reward_step: RewardStep, 
         samples = _eval_samples(engine, tokenizer, reward_step, prompts, shard, spec, k, env)
 
     def score() -> dict[str, float]:
-        metrics = {"eval/reward_mean": sum(s["reward"] for s in samples) / max(1, len(samples))}
+        scored = [s["reward"] for s in samples if s["reward"] is not None]  # None: unscorable
+        mean = sum(scored) / max(1, len(scored)) if scored or not samples else math.nan  # none scorable: nan
+        metrics = {"eval/reward_mean": mean}
         if env is not None:
             metrics |= episode_means([s["episode"] for s in samples], "eval/")
         if metric_fn is None:

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import BatchPlan, Config, ConfigError, make_batch_plan
-from .config.validate import ENV_ENGINE
+from .config.validate import env_refusal
 from .data import PromptLimit, PromptSet, PromptSource, open_prompts
 # PromptSet, render_prompts and tokenize_prompts lived here before rallyrl/data/ held them: importable as before
 from .data import render_prompts, tokenize_prompts  # noqa: F401
 from .models import ModelLoadError, check_model_folder, load_tokenizer, max_positions
 from .reward.loading import load_callable, resolve_reward_fns
+from .reward.signature import check_columns, check_run
 from .reward.step import NamedRewardFn
 
 MetricFn = Callable[..., dict[str, Sequence[float]]]
@@ -74,6 +75,15 @@ def prepare_inputs(
                               f"they could move the training RNG streams")
     if metric_fn is None and cfg.eval.metric_fn:
         metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
+    # The functions against the data's columns: a collision or a missing argument fails now, not at the
+    # first reward call after the models have loaded.
+    sets = [(train_what, table.columns(), table.chat)]
+    if eval_table is not None:
+        sets.append((eval_what, eval_table.columns(), eval_table.chat))
+    check_run(reward_fns, sets, metric_fn, sets[1] if eval_table is not None else None)
+    if cfg.reward.server == "local":  # the HTTP client between the run and the server is a trlx function
+        for where, columns, chat in sets:
+            check_columns(None, "remote (reward.server: local)", "trlx", columns, where, chat)
     if cfg.model.prepare:
         prepare_model_folder(cfg.model.prepare, cfg.model.path)
     check_model_folder(cfg.model)
@@ -112,8 +122,8 @@ def _env_factory(cfg: Config, env: Any, tokenizer: Any) -> Any:
                               "pass env= to train()), or remove it (a single turn is bounded by generation.max_new_tokens)")
         return None
     what = "env" if env is not None else "env.factory"
-    if cfg.generation.engine != "hf":  # env.factory was refused at load time already (config/validate.py)
-        raise ConfigError(ENV_ENGINE)
+    if why := env_refusal(cfg):  # env.factory was refused at load time already (config/validate.py)
+        raise ConfigError(why)
     if cfg.model.arch != "causal":
         raise ConfigError(f"{what}: multi-turn episodes need model.arch: causal (the environment's messages are "
                           f"rendered into the one sequence a causal LM reads)")

@@ -28,7 +28,7 @@ from .fields import DTYPES, REFERENCES, TRACKERS, ConfigError
 from .loader import load_config, parse_overrides, read_text
 from .model import DataConfig, LoraConfig, ModelConfig
 from .plan import BatchPlan, make_batch_plan, split_evenly
-from .reward import RewardConfig, RewardFnSpec, reward_fn_name
+from .reward import OverlongBufferConfig, RewardConfig, RewardFnSpec, reward_fn_name
 from .root import Config
 from .train import CheckpointConfig, DistConfig, EvalConfig, TrainConfig
 from .validate import SERVER_ARGS, config_warnings, validate
@@ -36,9 +36,9 @@ from .yamlio import dump_yaml, load_yaml
 
 __all__ = [
     "DTYPES", "FREE_TO_CHANGE", "REFERENCES", "SERVER_ARGS", "TRACKERS",
-    "BatchPlan", "Change", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "EnvConfig", "EvalConfig",
-    "GenerationConfig", "LoraConfig", "ModelConfig", "PPOConfig", "RewardConfig", "RewardFnSpec",
-    "RolloutConfig", "TrainConfig", "VLLMConfig", "ENGINES", "engine_logprobs_exact",
+    "BatchPlan", "Change", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "EnvConfig",
+    "EvalConfig", "GenerationConfig", "LoraConfig", "ModelConfig", "OverlongBufferConfig", "PPOConfig", "RewardConfig",
+    "RewardFnSpec", "RolloutConfig", "TrainConfig", "VLLMConfig", "ENGINES", "engine_logprobs_exact",
     "config_changes", "config_markdown", "config_warnings", "dump_yaml", "flat_config", "format_changes", "load_config",
     "load_yaml", "make_batch_plan", "parse_overrides", "read_text", "reward_fn_name", "split_evenly", "validate",
 ]

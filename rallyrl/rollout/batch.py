@@ -59,12 +59,55 @@ class Rollouts:
     # mask; None when the engine is the trainer (hf) or its log-probs are the old log-probs (`generate`).
     engine_logprobs: torch.Tensor | None = None
     versions: list[int] = field(default_factory=list)  # per sample: the engine weight version that sampled it
+    # (B,) bool: the sample has a reward (False: every reward function returned None; its score is 0.0
+    # and unused). None: every sample has one, which is every run whose functions never return None.
+    scorable: torch.Tensor | None = None
+    # Per sample; an empty list means False for every sample (batches built by hand in tests).
+    truncated: list[bool] = field(default_factory=list)  # cut by generation.max_new_tokens (no EOS, no stop)
+    filler: list[bool] = field(default_factory=list)  # dynamic sampling: a group that only fills the batch
+    #                                                   (rollout/dynamic.py): out of the loss and group statistics
 
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def flags(self, name: str) -> torch.Tensor:
+        """(B,) bool: the per-sample flag ``truncated`` or ``filler`` (False everywhere when unset)."""
+        values = getattr(self, name)
+        return torch.tensor(values, dtype=torch.bool) if values else torch.zeros(len(self), dtype=torch.bool)
+
+    def add_reward(self, name: str, values: torch.Tensor) -> None:
+        """Add a per-sample reward that rallyrl computes itself (e.g. ``reward.overlong_buffer``'s penalty)
+        to the scores, and record it as the reward component ``name`` (logged as ``reward/<name>``)."""
+        if any(name in c for c in self.reward_components):
+            raise ValueError(f"reward component {name!r} is already set (a reward function of that name?)")
+        self.scores = self.scores + values.to(self.scores.dtype)
+        comps = self.reward_components or [{} for _ in range(len(self))]
+        self.reward_components = [{**c, name: float(v)} for c, v in zip(comps, values.tolist())]
+
+    def select(self, rows: Sequence[int]) -> "Rollouts":
+        """The samples ``rows`` (in that order), with every tensor and per-sample list."""
+        idx = torch.tensor(list(rows), dtype=torch.long)
+
+        def t(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[idx]
+
+        def pick(xs: list[Any]) -> list[Any]:
+            return [xs[i] for i in rows] if xs else []
+
+        return Rollouts(
+            query_ids=self.query_ids[idx], query_mask=self.query_mask[idx], response_ids=self.response_ids[idx],
+            response_mask=self.response_mask[idx], action_mask=self.action_mask[idx], logprobs=self.logprobs[idx],
+            ref_logprobs=t(self.ref_logprobs), values=t(self.values), scores=self.scores[idx],
+            dense_scores=t(self.dense_scores), prompts=pick(self.prompts), outputs=pick(self.outputs),
+            metadata=pick(self.metadata), global_index=pick(self.global_index), group=pick(self.group),
+            reward_components=pick(self.reward_components), truncated=pick(self.truncated),
+            filler=pick(self.filler), engine_logprobs=t(self.engine_logprobs), versions=pick(self.versions),
+            scorable=t(self.scorable), segment=pick(self.segment), episodes=pick(self.episodes),
+        )
+
     def total_rewards(self) -> torch.Tensor:
-        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards."""
+        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards (0.0 for an
+        unscorable one: read ``scorable``)."""
         dense = self.dense_scores.sum(1).double() if self.dense_scores is not None else 0.0
         return self.scores.double() + dense  # float64: the logged value is the exact sum of the two parts
 
@@ -96,7 +139,9 @@ class Rollouts:
             dense_scores=dense, prompts=list(prompts), outputs=list(ep.outputs), metadata=list(metadata),
             global_index=list(global_index), group=[i // group_size for i in global_index],
             reward_components=[rw.components for rw in rewards], engine_logprobs=engine_lp,
-            versions=[ep.version] * len(rewards),
+            versions=[ep.version] * len(rewards), truncated=list(ep.truncated),
+            scorable=(None if all(rw.scorable for rw in rewards)
+                      else torch.tensor([rw.scorable for rw in rewards], dtype=torch.bool)),
         )
 
     @staticmethod
@@ -124,6 +169,9 @@ class Rollouts:
         def joined(get: Any) -> list[Any]:
             return [x for p in parts for x in get(p)]
 
+        def flags(name: str) -> list[bool]:  # unset in every part stays unset
+            return [] if not any(getattr(p, name) for p in parts) else [x for p in parts for x in p.flags(name).tolist()]
+
         return Rollouts(
             query_ids=torch.cat([left(p.query_ids, pad_id) for p in parts]),
             query_mask=torch.cat([left(p.query_mask, False) for p in parts]),
@@ -138,6 +186,9 @@ class Rollouts:
             group=joined(lambda p: p.group), reward_components=joined(lambda p: p.reward_components),
             segment=joined(lambda p: p.segment), episodes=joined(lambda p: p.episodes),
             engine_logprobs=optional(lambda p: p.engine_logprobs), versions=joined(lambda p: p.versions),
+            scorable=(None if all(p.scorable is None for p in parts) else torch.cat(
+                [p.scorable if p.scorable is not None else torch.ones(len(p), dtype=torch.bool) for p in parts])),
+            truncated=flags("truncated"), filler=flags("filler"),
         )
 
 
@@ -176,6 +227,9 @@ def _from_episode_rows(ep: "Episodes", scored: "Scored", rewards: Sequence["Rewa
         global_index=[global_index[e] for e in k], group=[global_index[e] // group_size for e in k],
         reward_components=[rewards[e].components if last[i] else {} for i, e in enumerate(k)],
         segment=segment, episodes=[ep.transcripts[e] if last[i] else None for i, e in enumerate(k)],
+        # an episode without a reward (every function returned None): each of its rows
+        scorable=(None if all(rw.scorable for rw in rewards)
+                  else torch.tensor([rewards[e].scorable for e in k], dtype=torch.bool)),
         versions=[ep.version] * B,  # generation.engine: hf only (config/validate.py): no engine_logprobs
     )
 

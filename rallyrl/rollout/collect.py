@@ -8,7 +8,7 @@ import torch
 
 from .. import dist
 from ..errors import EpisodeError
-from ..inputs import PromptSet
+from ..data import PromptSet
 from ..models import LoadedModels
 from ..reward.step import RewardStep, Samples, StepStats
 from .batch import Rollouts, Shard

@@ -48,6 +48,7 @@ class Episodes:
     logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     version: int = 0  # the engine's weight version that sampled them
+    truncated: list[bool] = field(default_factory=list)  # per episode: cut by max_new_tokens (see cut_by_length)
     # Multi-turn episodes only (empty / None for single-turn ones, where row i is episode i). Per ROW:
     row_episode: list[int] = field(default_factory=list)  # the episode (index into outputs) the row belongs to
     env_dense: torch.Tensor | None = None  # (B, T) env.turn_rewards=per_turn: each turn's reward on its last action
@@ -75,7 +76,8 @@ def run_episodes(engine: GenerationEngine, tokenizer: object, query_ids: list[li
     q, qm = pad(query_ids, pad_id, left=True)  # (B, Q)
     r_ids, rm = pad(sampled.token_ids, pad_id, left=False)  # (B, T)
     outputs = [tokenizer.decode(r, skip_special_tokens=True) for r in sampled.token_ids]  # type: ignore[attr-defined]
-    ep = Episodes(q, qm, r_ids, rm, rm.clone(), sampled.token_ids, outputs, version=sampled.version)
+    ep = Episodes(q, qm, r_ids, rm, rm.clone(), sampled.token_ids, outputs, version=sampled.version,
+                  truncated=[cut_by_length(r, spec, tokenizer) for r in sampled.token_ids])
     if sampled.logprobs is not None:
         T = r_ids.shape[1]  # <= T': the cuts only shorten responses, token t stays at column t
         ep.logprobs = sampled.logprobs[:, :T].cpu() * rm  # (B, T), 0 off the actions
@@ -333,3 +335,14 @@ def reward_metadata(metadata: list[dict[str, Any]], transcripts: list[dict[str, 
                     "tool_calls": [x["tool_calls"] for x in t["turns"]], "env_rewards": t["env_rewards"],
                     "truncated": t["truncated"]})
     return out
+def cut_by_length(ids: list[int], spec: SamplingSpec, tokenizer: Any) -> bool:
+    """Whether a response ended because ``spec.max_new_tokens`` ran out rather than by choice: it has
+    that many tokens, its last is not a stop token, and its text holds no stop sequence (an engine cuts
+    a response after the token completing a stop sequence, so one found here was completed by the last
+    token). TRL's ``is_truncated`` tests the last token against EOS and pad only."""
+    if len(ids) < spec.max_new_tokens or ids[-1] in spec.stop_token_ids:
+        return False
+    if spec.stop_sequences:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return not any(s in text for s in spec.stop_sequences)
+    return True

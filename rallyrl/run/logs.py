@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import trackers
 from ..config import Config, flat_config
@@ -28,7 +28,6 @@ from ..errors import writing
 
 if TYPE_CHECKING:
     from ..trackers import Tracker
-    from .rundir import RunDir
 
 __all__ = ["JsonlError", "MetricsFile", "RunWriter", "append_jsonl", "clean", "has_iteration", "iter_jsonl",
            "jsonl_line", "last_step", "read_jsonl", "truncate_jsonl"]
@@ -191,11 +190,20 @@ class MetricsFile:
         self._f.close()
 
 
+class Claims(Protocol):
+    """What the writer needs of the run directory (``run.rundir.RunDir``): its path, and ``claim`` (a
+    file or folder recorded in the manifest as rallyrl's own before it is written)."""
+
+    path: Path
+
+    def claim(self, rel: str, is_dir: bool = False) -> Path: ...
+
+
 class RunWriter:
     """The main rank's log files and trackers. Every write of rallyrl's own files goes through
     ``errors.writing``: a full disk or a permission problem is one line naming the file, not a traceback."""
 
-    def __init__(self, run_dir: "RunDir", cfg: Config, resuming: bool = False) -> None:
+    def __init__(self, run_dir: Claims, cfg: Config, resuming: bool = False) -> None:
         self.run_dir = run_dir
         self._rollouts = open(run_dir.claim("rollouts.jsonl"), "a", encoding="utf-8")
         state = trackers.TrackerState(run_dir.path / trackers.STATE_FILE, resuming, run_dir.claim)

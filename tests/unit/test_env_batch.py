@@ -122,3 +122,37 @@ def test_episode_metrics():
     assert m["episode/env_token_fraction"] == 1 / 8  # 1 environment token of 8 response tokens
     assert m["reward/mean"] == pytest.approx((1.25 + 2.0) / 2)  # per episode, not per row
     assert m["policy/response_length"] == 8 / 2
+
+
+def test_an_episode_without_a_reward_is_unscorable_on_each_of_its_rows():
+    """None from every reward function (TRL #5902) for a forked episode: all its rows carry it, its group
+    baseline leaves it out, and reward/mean and reward/unscorable count it once (per episode)."""
+    ep = _forked_episodes()
+    z = torch.zeros(3, 4)
+    rewards = [Reward(0.0, scorable=False), Reward(2.0)]
+    ro = Rollouts.from_chunk(ep, Scored(z, None, z), rewards, ["p0", "p1"], [{}, {}], [0, 1], group_size=2)
+    assert ro.scorable.tolist() == [False, False, True]
+    state, ppo = _state(estimator="grpo")
+    adv = compute_advantages(ro, state, ppo)
+    assert adv.seq_advantages == [0.0, 0.0, 0.0]  # the group's only scorable member has no baseline
+    assert adv.stats["reward/zero_std_groups"] == 1.0
+    plan = BatchPlan(world_size=1, num_rollouts=2, chunk_size=2, local_counts=(2,), rounds=1, num_minibatches=1, epochs=1)
+    upd = {k: 1.0 for k in UPDATE_STATS} | {"grad_norm": 0.5, "steps": 1.0, "skipped": 0.0, "time": 1.0}
+    m = iteration_metrics(ro, Advantages(z, z, None, ro.action_mask), StepStats(), upd, ["r"], state, plan)
+    assert m["reward/unscorable"] == 1.0 and m["reward/mean"] == 2.0
+
+
+@pytest.mark.parametrize("option", [{"rollout": {"dynamic_sampling": True}},
+                                    {"reward": {"overlong_buffer": {"length": 4, "penalty": 1.0}}, "generation": {"max_new_tokens": 8}},
+                                    {"ppo": {"mask_truncated": True}}])
+def test_single_turn_options_are_refused_with_an_environment(option):
+    from rallyrl.config import ConfigError
+
+    base = {"train": {"run_dir": "unused"}, "env": {"factory": "tests.helpers.envs:Echo"},
+            "ppo": {"estimator": "grpo"}, "rollout": {"num_rollouts": 4, "samples_per_prompt": 2}}
+    for k, v in option.items():
+        base.setdefault(k, {}).update(v)
+    section = next(k for k in option if k != "generation")
+    key = section + "." + next(iter(option[section]))
+    with pytest.raises(ConfigError, match=rf"{key}.*single-turn samples only"):
+        load_config(base)
