@@ -138,7 +138,7 @@ def _train_cmd(engine: str, model_dir: Path, run_dir: Path, iterations: int, cur
 
 
 def run_train(engine: str, model_dir: Path, work: Path, iterations: int, curve: bool, tag: str) -> dict[str, Any]:
-    from benchmarks.common import read_metrics, run_timed
+    from benchmarks.common import read_jsonl, read_metrics, run_timed
 
     run_dir = work / f"{'curve' if curve else 'grpo'}_{engine}_{tag}"
     proc = run_timed(_train_cmd(engine, model_dir, run_dir, iterations, curve), run_dir.with_suffix(".log"))
@@ -151,7 +151,9 @@ def run_train(engine: str, model_dir: Path, work: Path, iterations: int, curve: 
            "engine_metrics": [{k: v for k, v in x.items() if k.startswith("engine/") or k == "time/engine_sync"}
                               for x in steps]}
     if curve:
-        out["eval_correct"] = {str(x["step"]): x["eval/correct"] for x in m if "eval/correct" in x}
+        # read_metrics leaves out step 0, the evaluation before training: the curve starts there
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        out["eval_correct"] = {str(x["step"]): x["eval/correct"] for x in rows if "eval/correct" in x}
     return out
 
 
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--parts", default="generate,grpo,curve")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--iterations", type=int, default=None, help="part grpo's iterations (default 3)")
+    ap.add_argument("--curve-iterations", type=int, default=None, help="part curve's iterations (default 4)")
+    ap.add_argument("--engines", default=None, help="comma-separated subset of the engines (default all)")
     ap.add_argument("--out", default="benchmarks/results/engines.json")
     ap.add_argument("--work", default="runs/bench/engines")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -170,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     q = QUICK if args.quick else dict(samples=SAMPLES, new_tokens=NEW_TOKENS, calls=CALLS, iterations=ITERATIONS,
                                       curve_iterations=CURVE_ITERATIONS)
+    q = q | {k: v for k, v in (("iterations", args.iterations), ("curve_iterations", args.curve_iterations))
+             if v is not None}
     if args.worker:  # one engine's generation measurement, printed as the last line
         print(json.dumps(worker_generate(args.worker, str(_model_dir()), q["samples"], q["new_tokens"], q["calls"])))
         return 0
@@ -178,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     model = _model_dir()
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "settings": q,
                               "load_start": os.getloadavg()[0]}
-    names = list(ENGINES)
+    # Parts may come from separate invocations (the file is merged), so each keeps its own date/settings/load
+    meta: dict[str, Any] = {}
+    names = [e for e in ENGINES if args.engines is None or e in args.engines.split(",")]
     if "generate" in parts:
         from benchmarks.common import run_timed
 
@@ -190,20 +199,30 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(json.loads(log.read_text().strip().splitlines()[-1]) | {"repeat": rep + 1})
                 print(f"[engines] generate {e} r{rep + 1}: {runs[-1]['tokens_per_cpu_s']:.1f} tokens/CPU-s", flush=True)
         report["generate"] = _summary(runs, "tokens_per_cpu_s")
+        meta["generate"] = _meta(report, q, report["load_start"])
     for part, curve, its in (("grpo", False, q["iterations"]), ("curve", True, q["curve_iterations"])):
         if part in parts:
-            runs = [run_train(e, model, work, its, curve, "r1") for e in (CURVE_ENGINES if curve else names)]
+            t0 = os.getloadavg()[0]
+            runs = [run_train(e, model, work, its, curve, "r1")
+                    for e in (CURVE_ENGINES if curve else names) if e in names]
             for r in runs:
                 print(f"[engines] {part} {r['engine']}: {statistics.median(r['iteration_s'] or [0]):.1f} s/iteration",
                       flush=True)
             report[part] = {r["engine"]: r for r in runs}
+            meta[part] = _meta(report, q, t0)
     report["load_end"] = os.getloadavg()[0]
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(out.read_text()) if out.is_file() else {}
+    report["meta"] = old.get("meta", {}) | meta
     out.write_text(json.dumps(old | report, indent=2) + "\n")
     print(f"[engines] wrote {out}")
     return 0
+
+
+def _meta(report: dict[str, Any], q: dict[str, Any], load_start: float) -> dict[str, Any]:
+    return {"date": report["date"], "settings": dict(q), "quick": report["quick"], "load_start": load_start,
+            "load_end": os.getloadavg()[0]}
 
 
 def _summary(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:

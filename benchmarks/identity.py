@@ -6,7 +6,8 @@ with ``git archive`` (nothing copied by hand), builds the tiny models once, runs
 both trees in the same environment and compares, run by run:
 
 - every tensor of ``final/`` (safetensors), exactly;
-- ``metrics.jsonl`` without the wall-clock and memory keys (``time/*``, ``memory/*``), exactly;
+- ``metrics.jsonl`` without the wall-clock and memory keys (``time/*``, ``memory/*``), exactly (a metric
+  added since ``BASE`` is left out only while it holds its one possible value here: ``ADDED``);
 - ``rollouts.jsonl`` (every sample, its reward and advantage), exactly.
 
 The runs: PPO (GAE, value head, adaptive KL, eval) on 2 processes; GRPO (G 4, KL in the loss, k3,
@@ -90,6 +91,9 @@ PINNED: dict[str, dict[str, dict[str, Any]]] = {
     "fsdp": {"model": {"prefill_once": False}},
     "t5": {"model": {"prefill_once": False}},
 }
+# Metrics added after BASE, left out of the comparison only while they hold the one value these runs can
+# give (no reward function here returns None: reward/unscorable is 0); any other value is a difference.
+ADDED = {"reward/unscorable": 0.0}
 
 
 def export(ref: str, dest: Path) -> Path:
@@ -174,7 +178,8 @@ def record(run_dir: Path) -> dict[str, Any]:
         for k, t in sorted(load_file(f).items()):
             raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             weights[f"{f.name}:{k}"] = hashlib.sha256(raw).hexdigest()
-    metrics = [{k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in _jsonl(run_dir / "metrics.jsonl")]
+    metrics = [{k: v for k, v in m.items() if not k.startswith(VOLATILE) and not (k in ADDED and v == ADDED[k])}
+               for m in _jsonl(run_dir / "metrics.jsonl")]
     return {"weights": weights, "metrics": metrics, "rollouts": _jsonl(run_dir / "rollouts.jsonl")}
 
 

@@ -259,7 +259,8 @@ def _check_main(args: argparse.Namespace) -> int:
         f"prompts: {len(inp.train_set)} training (longest {longest} tokens{inp.train_set.long_summary()}), "
         f"{len(inp.eval_set)} eval",
         f"reward: {', '.join(f'{f.name} (weight {f.weight:g})' for f in inp.reward_fns)}, placement "
-        f"'{cfg.reward.placement}'; eval metric_fn: {'yes' if inp.metric_fn else 'none'}",
+        f"'{cfg.reward.placement}', called as {', '.join(f'{f.name}: {f.signature}' for f in inp.reward_fns)} "
+        f"(reward.signature: {cfg.reward.signature}); eval metric_fn: {'yes' if inp.metric_fn else 'none'}",
         f"model: {cfg.model.path} (config and weight files present; weights not loaded), "
         f"tokenizer vocabulary {len(inp.tokenizer)}",
     ] + ([f"trackers: {'; '.join(tracked)}"] if tracked else [])

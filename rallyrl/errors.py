@@ -106,6 +106,15 @@ class ModelWeightsError(StageError):
     what = "reading the model's weights"
 
 
+class EpisodeError(StageError):
+    """A multi-turn episode could not go on: an environment's ``reset`` / ``step`` raised or returned
+    something invalid, a tool failed with ``env.on_tool_error: fail``, an environment call timed out, or
+    the chat template is not prefix-preserving (``env.on_template_drift: fail``). The message names the
+    prompt and the turn."""
+
+    what = "environment"
+
+
 class EngineError(StageError):
     """The generation engine (``generation.engine: vllm``) could not start, generate, take a weight push in
     time, or its probe after a push disagreed with the policy (it would sample from other weights)."""

@@ -9,6 +9,7 @@ index (``at_k_metrics``), never from positions in a rank-ordered list."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,10 @@ from . import dist
 from .errors import MetricError
 from .inputs import MetricFn, PromptSet
 from .reward.step import RewardStep, Samples, call_kwargs
-from .rollout import GenerationEngine, SamplingSpec, Shard, run_episodes
+from .rollout import GenerationEngine, SamplingSpec, Shard
+from .rollout.collect import episodes
+from .rollout.env import EnvSetup
+from .rollout.episode import reward_metadata
 from .seeding import isolated_rng
 
 
@@ -52,24 +56,31 @@ def at_k_metrics(name: str, values: Sequence[float], prompt_ids: Sequence[int], 
 @dist.stage("evaluation")
 def evaluate(engine: GenerationEngine, tokenizer: Any, reward_step: RewardStep, prompts: PromptSet,
              metric_fn: MetricFn | None, spec: SamplingSpec, chunk_size: int,
-             samples_per_prompt: int = 1) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             samples_per_prompt: int = 1, env: EnvSetup | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Every eval prompt ``samples_per_prompt`` times, split over the ranks, through the training
-    rollouts' engine; returns the ``eval/*`` metrics (on every rank) and the samples with their rewards
-    and metric values (main rank; [] elsewhere)."""
+    rollouts' engine (and environment: multi-turn episodes, whose reward includes the environment's own
+    rewards and whose turns and tool use are logged as ``eval/turns``, ...); returns the ``eval/*`` metrics
+    (on every rank) and the samples with their rewards and metric values (main rank; [] elsewhere)."""
     k = samples_per_prompt
     shard = Shard.even(len(prompts) * k, dist.world_size(), dist.rank(), chunk_size)
     t0 = time.perf_counter()
     # Evaluation must not move the training sampling stream (same guarantee as the reward step). It
     # needs only samples and rewards: no policy/reference scoring pass.
     with isolated_rng():
-        samples = _eval_samples(engine, tokenizer, reward_step, prompts, shard, spec, k)
+        samples = _eval_samples(engine, tokenizer, reward_step, prompts, shard, spec, k, env)
 
     def score() -> dict[str, float]:
-        metrics = {"eval/reward_mean": sum(s["reward"] for s in samples) / max(1, len(samples))}
+        scored = [s["reward"] for s in samples if s["reward"] is not None]  # None: unscorable
+        mean = sum(scored) / max(1, len(scored)) if scored or not samples else math.nan  # none scorable: nan
+        metrics = {"eval/reward_mean": mean}
+        if env is not None:
+            metrics |= episode_means([s["episode"] for s in samples], "eval/")
         if metric_fn is None:
             return metrics
+        transcripts = [s["episode"] for s in samples] if env is not None else []
         part = Samples([s["prompt"] for s in samples], [s["output"] for s in samples],
-                       [s["output_token_ids"] for s in samples], [s["metadata"] for s in samples])
+                       [s["output_token_ids"] for s in samples],
+                       reward_metadata([s["metadata"] for s in samples], transcripts))
         with isolated_rng():
             out = metric_fn([p + o for p, o in zip(part.prompts, part.outputs)], part.prompts,
                             part.outputs, **call_kwargs(part, tokenizer))
@@ -93,18 +104,32 @@ def evaluate(engine: GenerationEngine, tokenizer: Any, reward_step: RewardStep, 
 
 
 def _eval_samples(engine: GenerationEngine, tokenizer: Any, reward_step: RewardStep, prompts: PromptSet,
-                  shard: Shard, spec: SamplingSpec, k: int = 1) -> list[dict[str, Any]]:
+                  shard: Shard, spec: SamplingSpec, k: int = 1, env: EnvSetup | None = None) -> list[dict[str, Any]]:
     """Every eval sample with its reward, gathered on the main rank ([] elsewhere). Eval sample ``j`` is
     sample ``j % k`` of prompt ``j // k``; with k > 1 its record carries ``sample`` (that member index)."""
     local: list[dict[str, Any]] = []
     for r in range(shard.rounds):
         items = shard.round(r)
         mine = [j // k for j in items]  # prompt indices (k = 1: the items themselves)
-        g = run_episodes(engine, tokenizer, prompts.token_ids(mine), spec)
+        g = episodes(engine, tokenizer, prompts, mine, spec, env)
         texts, metadata = prompts.texts(mine), prompts.metadata(mine)
-        rewards, _ = reward_step(Samples(texts, g.outputs, g.response_lists, metadata))
+        rewards, _ = reward_step(Samples(texts, g.outputs, g.response_lists, reward_metadata(metadata, g.transcripts)))
         local += [{"index": i, "prompt": p, "output": o, "reward": rw.total, "output_token_ids": t, "metadata": md}
                   | ({"sample": j % k} if k > 1 else {})
                   for j, i, p, o, rw, t, md in zip(items, mine, texts, g.outputs, rewards, g.response_lists, metadata)]
+        for s, t in zip(local[len(local) - len(g.transcripts):] if g.transcripts else [], g.transcripts):
+            s["episode"] = t  # the environment's rewards count in the episode's reward
+            s["reward"] += sum(r for r in t["env_rewards"] if r is not None)
     gathered = dist.gather_objects(local, dst=0)
     return [s for part in gathered or [] for s in part]
+
+
+def episode_means(transcripts: Sequence[dict[str, Any] | None], prefix: str) -> dict[str, float]:
+    """Per-episode means of a list of transcripts (None entries skipped): turns, tool calls, tool errors,
+    the truncated fraction and forks, as ``<prefix>turns``, ..."""
+    ts = [t for t in transcripts if t is not None]
+    n = max(1, len(ts))
+    calls = [c for t in ts for turn in t["turns"] for c in turn["tool_calls"]]
+    return {f"{prefix}turns": sum(len(t["turns"]) for t in ts) / n, f"{prefix}tool_calls": len(calls) / n,
+            f"{prefix}tool_errors": sum(c["error"] is not None for c in calls) / n,
+            f"{prefix}truncated": sum(bool(t["truncated"]) for t in ts) / n, f"{prefix}forks": sum(t["forks"] for t in ts) / n}

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import BatchPlan, Config, ConfigError, make_batch_plan
+from .config.validate import env_refusal
 from .data import PromptLimit, PromptSet, PromptSource, open_prompts
 # PromptSet, render_prompts and tokenize_prompts lived here before rallyrl/data/ held them: importable as before
 from .data import render_prompts, tokenize_prompts  # noqa: F401
 from .models import ModelLoadError, check_model_folder, load_tokenizer, max_positions
 from .reward.loading import load_callable, resolve_reward_fns
+from .reward.signature import check_columns, check_run
 from .reward.step import NamedRewardFn
 
 MetricFn = Callable[..., dict[str, Sequence[float]]]
@@ -32,6 +34,8 @@ class Inputs:
     metric_fn: MetricFn | None
     tokenizer: Any  # PreTrainedTokenizerBase (pad token set, left padding)
     plan: BatchPlan
+    env: Any = None  # multi-turn episodes: a zero-argument factory of one environment (env.factory); None = single turn
+    max_positions: int | None = None  # the model's positions (the default budget of a multi-turn episode)
 
 
 def prepare_inputs(
@@ -41,6 +45,7 @@ def prepare_inputs(
     metric_fn: MetricFn | None = None,
     prompts: PromptSource | None = None,
     eval_prompts: PromptSource | None = None,
+    env: Any = None,
 ) -> Inputs:
     """Everything checkable without weights, in the order a user fixes things: config arithmetic, data,
     reward/metric imports, then the model folder and tokenizer. ``prompts`` / ``eval_prompts`` (the Python
@@ -70,6 +75,15 @@ def prepare_inputs(
                               f"they could move the training RNG streams")
     if metric_fn is None and cfg.eval.metric_fn:
         metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
+    # The functions against the data's columns: a collision or a missing argument fails now, not at the
+    # first reward call after the models have loaded.
+    sets = [(train_what, table.columns(), table.chat)]
+    if eval_table is not None:
+        sets.append((eval_what, eval_table.columns(), eval_table.chat))
+    check_run(reward_fns, sets, metric_fn, sets[1] if eval_table is not None else None)
+    if cfg.reward.server == "local":  # the HTTP client between the run and the server is a trlx function
+        for where, columns, chat in sets:
+            check_columns(None, "remote (reward.server: local)", "trlx", columns, where, chat)
     if cfg.model.prepare:
         prepare_model_folder(cfg.model.prepare, cfg.model.path)
     check_model_folder(cfg.model)
@@ -92,7 +106,32 @@ def prepare_inputs(
                                 limit)
         eval_set.prepare_all(drop_long=True)
     return Inputs(train_set=train_set, eval_set=eval_set, reward_fns=reward_fns, metric_fn=metric_fn,
-                  tokenizer=tokenizer, plan=plan)
+                  tokenizer=tokenizer, plan=plan, env=_env_factory(cfg, env, tokenizer), max_positions=max_pos)
+
+
+def _env_factory(cfg: Config, env: Any, tokenizer: Any) -> Any:
+    """The environment factory of multi-turn episodes (``env=`` of ``train`` wins over ``env.factory``),
+    checked against the model and tokenizer; None for single-turn episodes."""
+    from .rollout.env import TemplateError, env_factory
+    from .rollout.env.template import ChatRenderer
+
+    source = env if env is not None else cfg.env.factory
+    if source is None:
+        if cfg.rollout.max_episode_tokens is not None:
+            raise ConfigError("rollout.max_episode_tokens is the budget of multi-turn episodes: set env.factory (or "
+                              "pass env= to train()), or remove it (a single turn is bounded by generation.max_new_tokens)")
+        return None
+    what = "env" if env is not None else "env.factory"
+    if why := env_refusal(cfg):  # env.factory was refused at load time already (config/validate.py)
+        raise ConfigError(why)
+    if cfg.model.arch != "causal":
+        raise ConfigError(f"{what}: multi-turn episodes need model.arch: causal (the environment's messages are "
+                          f"rendered into the one sequence a causal LM reads)")
+    try:
+        ChatRenderer(tokenizer)
+        return env_factory(source, cfg.env.kwargs, what)
+    except (TemplateError, TypeError) as e:
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def _listed(source: Any) -> Any:

@@ -15,6 +15,8 @@ folder name):
   a reference model, ``ppo.init_kl_coef: 0``, has none).
 - ``eval.png``: every ``eval/*`` metric (only rows that have it; not written when no run has any).
 - ``losses.png``: ``policy/loss`` and ``value/loss``.
+- ``episodes.png``: multi-turn runs only: ``episode/turns``, ``episode/tool_calls`` with
+  ``episode/tool_errors``, ``episode/truncated`` and ``episode/env_token_fraction`` per iteration.
 - ``time.png``: per iteration, stacked seconds of each stage (``time/generate``, ``time/forward``,
   ``time/reward``, ``time/reward_gather``, ``time/update``, ``time/eval``; a missing key counts 0;
   ``other`` = the rest of ``time/iteration``), one panel per run.
@@ -190,6 +192,29 @@ def _eval_figure(runs: list[Run]):
     return fig
 
 
+EPISODE_PANELS = (("episode/turns", "assistant turns per episode"),
+                  ("episode/tool_calls", "tool calls per episode (dashed: tool errors)"),
+                  ("episode/truncated", "fraction of episodes truncated"),
+                  ("episode/env_token_fraction", "environment tokens / response tokens"))
+
+
+def _episode_figure(runs: list[Run]):
+    """Turns and tool use of multi-turn runs (None when no run has ``episode/*`` metrics)."""
+    if not any(k.startswith("episode/") for run in runs for row in run.rows for k in row):
+        return None
+    fig, axes = _new_figure(2, 2, width=5.6, height=3.4)
+    for ax, (key, title) in zip(axes, EPISODE_PANELS):
+        _line_panel(ax, runs, key)
+        if key == "episode/tool_calls":
+            for i, run in enumerate(runs):
+                xs, ys = series(run, "episode/tool_errors")
+                if xs:
+                    ax.plot(xs, ys, linestyle="--", color=f"C{i}", label=f"{run.name}: errors")
+            _legend(ax, runs)
+        _style(ax, f"{key}: {title}")
+    return fig
+
+
 def _loss_figure(runs: list[Run]):
     fig, axes = _new_figure(1, 2)
     _line_panel(axes[0], runs, "policy/loss")
@@ -239,7 +264,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, make in (("reward", _reward_figure), ("kl", _kl_figure), ("eval", _eval_figure),
-                       ("losses", _loss_figure), ("time", _time_figure)):
+                       ("episodes", _episode_figure), ("losses", _loss_figure), ("time", _time_figure)):
         fig = make(runs)
         if fig is None:
             continue
@@ -256,7 +281,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plot", help="write PNG curves (reward, KL, eval, losses, time) of run directories",
+    p = subparsers.add_parser("plot", help="write PNG curves (reward, KL, eval, episodes, losses, time) of run directories",
                               description=__doc__.splitlines()[0].split(": ", 1)[-1])
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (several: compared on each figure)")
     p.add_argument("--out", default=None, metavar="DIR",

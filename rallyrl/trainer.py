@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import dist, ops
 from .config import BatchPlan, Config, PPOConfig, engine_logprobs_exact, load_config
 from .errors import NonFiniteError, raise_if_interrupted
 from .evaluation import evaluate
@@ -42,10 +42,13 @@ from .models import LoadedModels, load_models
 from .reward.local_server import LocalRewardServer
 from .reward.step import RewardStep, StepStats
 from .rollout import Advantages, GenerationEngine, HFEngine, Rollouts, SamplingSpec, Shard, collect_rollouts
+from .rollout.dynamic import sample_groups
+from .rollout.env import EnvRunner, EnvSetup
 from .run import checkpoint as ckpt
 from .run.console import RunLog, TrainResult
 from .run.lock import releases_run_dir_lock
 from .run.rundir import RunDir
+from .run.stage import checkpoint_stage, save_final
 from .seeding import seed_everything, stream_seed
 
 __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages", "ppo_update", "train"]
@@ -59,26 +62,27 @@ __all__ = ["Advantages", "TrainResult", "collect_rollouts", "compute_advantages"
 def train(config: Config | dict | str | Path | None = None, reward_fn: Callable | Sequence[Callable] | None = None,
           prompts: PromptSource | None = None, eval_prompts: PromptSource | None = None,
           metric_fn: MetricFn | None = None, overrides: Sequence[str] | None = None,
-          callbacks: Sequence[Any] | None = None) -> TrainResult:
+          callbacks: Sequence[Any] | None = None, env: Any = None) -> TrainResult:
     """Fine-tune ``model.path`` with PPO, GRPO or RLOO (``ppo.estimator``), like ``trlx.train``; every rank
     calls it. ``reward_fn``, ``prompts``, ``eval_prompts``, ``metric_fn`` override ``reward.fn``, ``data.*``,
     ``eval.metric_fn`` (trlx signature ``fn(samples, prompts, outputs, **kwargs)``); ``prompts`` /
     ``eval_prompts`` take what ``data.prompts`` takes or a ``datasets.Dataset`` / ``DatasetDict``;
-    docs/data.md, docs/tracking.md."""
+    docs/data.md, docs/tracking.md. ``env`` (overrides ``env.factory``): the environment of multi-turn
+    episodes, a class or a function that returns a fresh environment per episode (docs/environments.md)."""
     cfg = load_config(config, list(overrides or []))
-    inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts)
+    inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts, env)
     evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()
     run_dir = RunDir.check_start(Path(cfg.train.run_dir), cfg, sorted(evals), lock=True)  # before anything heavy
     device = dist.init_accelerator(cfg.dist.timeout_s, cfg.model.sharding, cfg.train.mixed_precision)
-    with _reward_host(cfg, inp) as reward_step:  # a `reward.server: local` starts now, stops however this ends
+    with _reward_host(cfg, inp) as reward_step, _environment(cfg, inp) as env:  # both end however this ends
         models, learner, state = _build(cfg, inp, device)
         resumed_from, was_world_size = _resume(run_dir, cfg, models, learner, state)
         engine, spec = _engine(cfg, models, state, device)  # hf: the policy's own weights; vllm: a pushed copy
         log = RunLog(run_dir.open(cfg, resumed_from, state.iteration, was_world_size), cfg, state.iteration,
                      TrainResult(run_dir.path), callbacks)
-        log.start(plan := inp.plan, cfg, resumed_from, state.iteration, was_world_size)
+        log.start(inp.plan, cfg, resumed_from, state.iteration, was_world_size)
         reward_step.notice = log.waiting  # "waiting for the reward on rank 0, 42 s" on the progress line
-        run_eval = functools.partial(_evaluate, models, engine, reward_step, inp, cfg, device, log)
+        run_eval = functools.partial(_evaluate, models, engine, reward_step, inp, cfg, device, log, env)
         try:
             reward_step.open()  # `reward.server: local`: rank 0 waits for its server to answer (a collective)
             if resumed_from is None and 0 in evals:
@@ -86,10 +90,9 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
             for step in range(state.iteration + 1, cfg.train.iterations + 1):
                 t_iter = time.perf_counter()
                 raise_if_interrupted()  # a Ctrl-C whose exception Python dropped (see errors.py) stops here
-                # 1-2. rollouts (G completions of each drawn prompt) + the central reward step
-                shard = _next_shard(plan, state, inp.train_set)  # every rank reads and checks the drawn prompts
-                ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device,
-                                                     from_generation=cfg.rollout.logprobs_from == "generate")
+                # 1-2. rollouts (G completions or episodes of each drawn prompt; DAPO's rounds with
+                # rollout.dynamic_sampling) + the central reward step
+                ro, rstats, times = _rollouts(models, engine, reward_step, inp, state, spec, cfg, device, env)
                 # 3-4. advantages of ppo.estimator (gae: KL-shaped rewards + GAE; grpo/rloo: group statistics)
                 adv = compute_advantages(ro, state, cfg.ppo)
                 # vllm: the engine/trainer mismatch (engine/*) and ppo.engine_correction on the advantages
@@ -97,10 +100,7 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 # 5. PPO epochs (a non-finite loss or gradient norm is never applied)
                 upd = ppo_update(learner, ro, adv, state, cfg.ppo, cfg.generation.temperature,
                                  cfg.generation.max_new_tokens, device)
-                t_sync = time.perf_counter()
-                engine.sync(models.policy)  # the next samples come from the updated weights (vllm: pushed, probed)
-                if hasattr(engine, "stats"):  # an engine with its own copy of the weights (vllm)
-                    engine_metrics |= engine.stats() | {"time/engine_sync": time.perf_counter() - t_sync}
+                engine_metrics |= _sync(engine, models.policy)  # the next samples come from the updated weights
                 # 6. statistics (one all-reduce), KL controller, logs, eval
                 metrics = _statistics(ro, adv, rstats, upd, times, inp, state, learner, models, step, cfg, run_dir)
                 metrics |= engine_metrics
@@ -110,12 +110,12 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
                 state.iteration = step
                 stop = log.iteration(step, metrics | {"time/iteration": time.perf_counter() - t_iter})  # callbacks
                 # 7. checkpoint (collective, atomic); SIGTERM/SIGUSR1 on any rank: all stop here (checkpoint.on_signal)
-                run_dir.checkpoint(step, models.policy, learner, state, cfg.checkpoint, stopping=stop)
+                checkpoint_stage(run_dir, step, models.policy, learner, state, cfg.checkpoint, stopping=stop)
                 if stop:  # a callback's "stop", broadcast: every rank leaves after this iteration
                     break
             log.close()
             if cfg.train.save_final:
-                run_dir.save_final(models.policy, models.tokenizer, log.result)
+                save_final(run_dir, models.policy, models.tokenizer, log.result)
             dist.barrier()  # every rank leaves together (a peer still receiving the last broadcast must not see us go)
         except KeyboardInterrupt as stop:
             log.interrupted(state.iteration, run_dir.newest_checkpoint(), stop)
@@ -181,6 +181,16 @@ def _reward_host(cfg: Config, inp: Inputs) -> Iterator[RewardStep]:
         step.close()
 
 
+def _sync(engine: GenerationEngine, policy: Any) -> dict[str, float]:
+    """``engine.sync`` after the optimizer phase: a no-op for the HF engine (it runs the policy's own
+    weights); vllm pushes and probes them, and reports ``engine/*`` and ``time/engine_sync``."""
+    t_sync = time.perf_counter()
+    engine.sync(policy)
+    if not hasattr(engine, "stats"):  # only an engine with its own copy of the weights has any
+        return {}
+    return engine.stats() | {"time/engine_sync": time.perf_counter() - t_sync}
+
+
 def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard:
     """This rank's part of the next iteration: ``num_rollouts / G`` prompts drawn from the shared
     sampler (the same on every rank), each repeated G times in a row (group g = samples g*G..g*G+G-1).
@@ -189,6 +199,38 @@ def _next_shard(plan: BatchPlan, state: TrainState, prompts: PromptSet) -> Shard
     same point, with no collective; and only this iteration's rows stay in memory."""
     drawn = prompts.draw(state.sampler, plan.prompts_per_iteration)  # data.long_prompts: skip draws on
     return Shard.of_plan(plan, dist.rank(), plan.sample_prompts(drawn))
+
+
+def _rollouts(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs,
+              state: TrainState, spec: SamplingSpec, cfg: Config, device: torch.device,
+              env: EnvSetup | None) -> tuple[Rollouts, StepStats, dict[str, float]]:
+    """The iteration's rollouts: one draw of prompts, or with ``rollout.dynamic_sampling`` DAPO's rounds of
+    draws until the batch holds enough groups whose rewards differ (rollout/dynamic.py). Each round's scores
+    carry ``reward.overlong_buffer``'s penalty before anything reads them."""
+    ob = cfg.reward.overlong_buffer
+
+    def collect(shard: Shard) -> tuple[Rollouts, StepStats, dict[str, float]]:
+        ro, rstats, times = collect_rollouts(models, engine, reward_step, inp.train_set, shard, spec, device,
+                                             from_generation=cfg.rollout.logprobs_from == "generate", env=env)
+        if ob is not None:  # a reward component of its own (reward/overlong), on every sample
+            lengths = ro.action_mask.sum(1)  # (B,) the tokens the policy sampled
+            ro.add_reward("overlong", ops.overlong_penalty(lengths, cfg.generation.max_new_tokens, ob.length,
+                                                           ob.penalty))
+        return ro, rstats, times
+
+    if not cfg.rollout.dynamic_sampling:
+        return collect(_next_shard(inp.plan, state, inp.train_set))  # every rank reads the drawn prompts
+    drew: dict[str, float] = {}  # data/* of every round's draw (the prompt set reports its last draw's only)
+
+    def draw() -> Shard:
+        shard = _next_shard(inp.plan, state, inp.train_set)
+        for k, v in inp.train_set.draw_metrics().items():
+            drew[k] = drew.get(k, 0.0) + v
+        return shard
+
+    ro, rstats, metrics = sample_groups(draw, collect, inp.plan, cfg.rollout.max_sampling_rounds,
+                                        cfg.ppo.reward_clip, models.tokenizer.pad_token_id)
+    return ro, rstats, metrics | drew
 
 
 def _engine(cfg: Config, models: LoadedModels, state: TrainState,
@@ -213,20 +255,43 @@ def _engine(cfg: Config, models: LoadedModels, state: TrainState,
 
 
 def _evaluate(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, inp: Inputs, cfg: Config,
-              device: torch.device, log: RunLog, step: int) -> dict[str, float]:
+              device: torch.device, log: RunLog, env: EnvSetup | None, step: int) -> dict[str, float]:
     spec = SamplingSpec.of(cfg.generation, cfg.eval.do_sample, models.tokenizer)
     if cfg.generation.engine != "hf":  # an engine with its own sampler: its own per-rank eval stream
         spec = dataclasses.replace(spec, seed=stream_seed(cfg.train.seed, "engine_eval", dist.rank()))
     return log.eval(step, *evaluate(engine, models.tokenizer, reward_step, inp.eval_set, inp.metric_fn, spec,
-                                    cfg.rollout.chunk_size, cfg.eval.samples_per_prompt))
+                                    cfg.rollout.chunk_size, cfg.eval.samples_per_prompt, env))
+
+
+@contextlib.contextmanager
+def _environment(cfg: Config, inp: Inputs) -> Iterator[EnvSetup | None]:
+    """Multi-turn episodes' environment settings and this process's tool runner (its event-loop thread
+    stops on exit); None for single-turn episodes. Each episode's environment comes from ``inp.env``.
+    The budget of a row is ``rollout.max_episode_tokens``, never more than the model's positions; a
+    turn's steps may take at most ``dist.timeout_s`` (the time the other ranks would wait)."""
+    if inp.env is None:
+        yield None
+        return
+    e = cfg.env
+    budget = min(x for x in (cfg.rollout.max_episode_tokens, inp.max_positions) if x is not None) \
+        if (cfg.rollout.max_episode_tokens or inp.max_positions) else None
+    runner = EnvRunner(e.tool_timeout_s, e.max_concurrent_tools, e.on_tool_error, turn_timeout_s=cfg.dist.timeout_s)
+    setup = EnvSetup(inp.env, runner, e.max_turns, budget, e.turn_rewards, e.on_template_drift)
+    try:
+        yield setup
+    finally:
+        setup.close()
 
 
 def _statistics(ro: Rollouts, adv: Advantages, rstats: StepStats, upd: dict[str, float], times: dict[str, float],
                 inp: Inputs, state: TrainState, learner: Learner, models: LoadedModels, step: int, cfg: Config,
                 run_dir: RunDir) -> dict[str, float]:
     """The iteration's metrics (one all-reduce), the non-finite guard and the KL controller's update."""
-    metrics = iteration_metrics(ro, adv, rstats, upd, [f.name for f in inp.reward_fns], state, inp.plan)
-    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]} | inp.train_set.draw_metrics()
+    names = [f.name for f in inp.reward_fns] + (["overlong"] if cfg.reward.overlong_buffer is not None else [])
+    metrics = iteration_metrics(ro, adv, rstats, upd, names, state, inp.plan)
+    # (with dynamic sampling, times carries data/* summed over the rounds' draws instead of the last draw's)
+    drawn = {} if cfg.rollout.dynamic_sampling else inp.train_set.draw_metrics()
+    metrics |= times | {"policy/lr": learner.lr, "time/update": upd["time"]} | drawn
     metrics |= learner.memory(models.reference)  # this rank's bytes (rank 0's are logged)
     _check_finite(metrics, upd, step, cfg.ppo, run_dir)
     if "policy/kl" in metrics:  # no reference (beta 0, fixed): nothing to control
@@ -243,7 +308,8 @@ def _reward_step(cfg: Config, inp: Inputs) -> RewardStep:
     server, remote_options = None, {}
     if r.server == "local":
         # The server must come up before the other ranks give up waiting for it in open()'s broadcast.
-        server = LocalRewardServer(r.fn or "", r.kwargs, r.server_args,
+        signature = ["--signature", r.signature] if r.signature != "auto" else []  # the server calls the function
+        server = LocalRewardServer(r.fn or "", r.kwargs, [*r.server_args, *signature],
                                    startup_timeout_s=min(300.0, 0.8 * cfg.dist.timeout_s))
         remote_options = {"timeout_s": r.timeout_s if r.timeout_s is not None else 60.0, "retries": r.retries}
     return RewardStep(inp.reward_fns, r.placement, r.batch_size, inp.tokenizer, timeout_s=r.timeout_s,

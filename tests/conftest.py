@@ -38,6 +38,33 @@ def tiny_llama(tiny_model, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_chat(tiny_model, tmp_path_factory):
+    """A tiny GPT-2 with ChatML special tokens (``<|im_end|>`` = EOS) and a Qwen/Hermes-style tool template
+    (tests/helpers/chat.py), built locally."""
+    from tests.helpers.chat import build_tiny_chat
+
+    return build_tiny_chat(tmp_path_factory.mktemp("tiny") / "chat", tiny_model)
+# A minimal chat template (role markers, one message a line), so conversational prompts render offline
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny GPT-2 with ``TINY_CHAT_TEMPLATE`` as its chat template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("chat") / "gpt2"
+    shutil.copytree(tiny_model, out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``vllm`` need vLLM (``.venv-vllm``, made by ``make install-vllm``; ``make test`` runs them
     there): skipped in an environment without it."""

@@ -30,6 +30,25 @@ class RolloutConfig:
         "forward less per chunk; equal to `forward`'s up to float rounding of the KV-cached math (~1e-5 "
         "in float32; more in bf16, where veRL and OpenRLHF recompute for that reason).",
     )
+    max_episode_tokens: int | None = _f(
+        None,
+        "Multi-turn episodes (`env.factory`): the most tokens a training row's context may hold, prompt + every "
+        "turn + the environment's messages (null = the model's positions). A turn is cut where it would pass it; "
+        "an environment reply that would not fit with room for one more token ends the episode as truncated "
+        "(the reply is not shown). See docs/environments.md.",
+        gt=0,
+    )
+    dynamic_sampling: bool = _f(
+        False,
+        "DAPO's dynamic sampling (`ppo.estimator: grpo | rloo`): keep drawing `num_rollouts / G` prompts and "
+        "generating their groups until `num_rollouts / G` groups whose rewards are not all equal are collected (or "
+        "`rollout.max_sampling_rounds` rounds are drawn; the batch is then filled with groups left out of the "
+        "loss). The choice is global, the same for any number of processes and reward placement. "
+        "See docs/algorithms.md.",
+    )
+    max_sampling_rounds: int = _f(
+        10, "`rollout.dynamic_sampling`: at most this many rounds of `num_rollouts` samples per iteration.", ge=1
+    )
 
 
 @dataclass
@@ -144,6 +163,12 @@ class PPOConfig:
         "`grpo`/`rloo`: leave groups whose rewards are all equal (advantage 0) out of the loss and its "
         "normaliser (DAPO's dynamic-sampling filter, without re-sampling).",
     )
+    mask_truncated: bool = _f(
+        False,
+        "Leave responses that `generation.max_new_tokens` cut off (no EOS, no stop sequence) out of the loss and "
+        "its normaliser (DAPO; TRL's `mask_truncated_completions`). They still count in the group statistics "
+        "and in whitening: the baseline estimates the prompt's reward over everything the policy sampled.",
+    )
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = _f(
         "token_mean",
         "How per-token losses become the loss, over the GLOBAL minibatch: `token_mean` (sum / all tokens), "
@@ -157,6 +182,42 @@ class PPOConfig:
         None, "Upper ratio clip epsilon (DAPO's clip-higher): the ratio is clipped to "
               "[1 - clip_range, 1 + clip_range_high]; null = `clip_range`.",
         gt=0,
+    )
+    ratio_level: Literal["token", "sequence"] = _f(
+        "token",
+        "The importance ratio of the clipped loss: `token` (per token, PPO/GRPO) or `sequence` (GSPO: the "
+        "sequence's length-normalised ratio `exp(mean over its action tokens of log(pi / pi_old))`, clipped to "
+        "[1 - `ppo.sequence_clip_range`, 1 + `ppo.sequence_clip_range_high`]; pair it with `ppo.loss_aggregation: "
+        "seq_mean_token_mean`, the GSPO paper's objective). See docs/algorithms.md.",
+    )
+    sequence_clip_range: float = _f(
+        3e-4, "`ratio_level: sequence`: the lower clip epsilon of the sequence ratio (the GSPO paper's 3e-4; "
+              "`ppo.clip_range` is the token ratio's and is not read then).",
+        gt=0,
+    )
+    sequence_clip_range_high: float = _f(
+        4e-4, "`ratio_level: sequence`: the upper clip epsilon of the sequence ratio (the GSPO paper's 4e-4).",
+        gt=0,
+    )
+    policy_loss: Literal["ppo", "cispo"] = _f(
+        "ppo",
+        "`ppo`: the clipped surrogate (PPO/GRPO). `cispo` (MiniMax-M1): `-sg[clip(r, 1 - cispo_clip_low, 1 + "
+        "cispo_clip_high)] * A * log pi` per token, the importance weight clipped and its gradient stopped, so "
+        "no token leaves the gradient; `ppo.clip_range*` and `ppo.dual_clip` are not used. See docs/algorithms.md.",
+    )
+    cispo_clip_low: float | None = _f(
+        None, "`policy_loss: cispo`: the weight is at least 1 - this; null = no lower bound (the paper's choice).",
+        gt=0,
+    )
+    cispo_clip_high: float = _f(
+        4.0, "`policy_loss: cispo`: the weight is at most 1 + this (4.0: at most 5, TRL's recommended "
+             "`epsilon_high` 5.0 from the ScaleRL paper).",
+        gt=0,
+    )
+    dual_clip: float | None = _f(
+        None, "Dual-clip PPO (Ye et al. 2020): on tokens with a negative advantage the loss is capped at "
+              "`-dual_clip * A` (veRL's `clip_ratio_c`, often 3); null = off.",
+        gt=1, why="the cap -c * A must lie beyond the clipped loss",
     )
     clip_range_value: float = _f(0.2, "Value clip range around the rollout values.", gt=0)
     vf_coef: float = _f(0.1, "Value loss coefficient.")

@@ -20,6 +20,8 @@ FREE_TO_CHANGE = frozenset({
     "train.report_to", "train.project", "train.run_name",
     "checkpoint.interval", "checkpoint.interval_minutes", "checkpoint.keep_last", "checkpoint.on_signal", "train.lock_run_dir", "dist.timeout_s",
     "reward.overlap",  # the same rewards, only scored beside generation: same results (tested)
+    # limits on how tools run, not on what they return (the same results for tools that finish in time)
+    "env.tool_timeout_s", "env.max_concurrent_tools",
 })
 
 _ABSENT = "<absent>"

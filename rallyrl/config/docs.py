@@ -12,7 +12,7 @@ from .fields import type_name as _type_name
 from .algorithm import GenerationConfig, VLLMConfig
 from .model import LoraConfig, ModelConfig
 from .peers import PEER_OPTIONS
-from .reward import RewardConfig, RewardFnSpec
+from .reward import OverlongBufferConfig, RewardConfig, RewardFnSpec
 from .root import Config
 
 
@@ -104,6 +104,7 @@ def config_markdown() -> str:
             lines += _sub_table("`generation.vllm`:", VLLMConfig, "generation.vllm.")
         if cls is RewardConfig:
             lines += _sub_table("Each entry of `reward.fns`:", RewardFnSpec, "")
+            lines += _sub_table("`reward.overlong_buffer` (when set):", OverlongBufferConfig, "reward.overlong_buffer.")
     return "\n".join(lines + _peers_section())
 
 

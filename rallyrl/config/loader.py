@@ -68,6 +68,8 @@ def _coerce_union(value: Any, tp: Any, key: str) -> Any:
         arm = typing.get_args(arg)[0] if typing.get_origin(arg) is list and isinstance(value, list) else arg
         if typing.get_origin(arm) is Literal and (arm is not arg or isinstance(value, str)):
             raise e from None
+        if dataclasses.is_dataclass(arg) and isinstance(value, dict):  # an optional section: its own key's error
+            raise e from None
     raise _expected(tp, key, value)
 
 

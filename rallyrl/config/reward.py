@@ -17,6 +17,15 @@ class RewardFnSpec:
 
 
 @dataclass
+class OverlongBufferConfig:
+    length: int = _f(
+        0, "Required: the soft zone, in tokens, at the end of `generation.max_new_tokens` (1 .. max_new_tokens).",
+        ge=1, why="required when reward.overlong_buffer is set",
+    )
+    penalty: float = _f(1.0, "The penalty at `generation.max_new_tokens` tokens (DAPO's 1.0).", gt=0)
+
+
+@dataclass
 class RewardConfig:
     fn: str | None = _f(
         None, "Import path of the reward function (`pkg.mod:attr` or `file.py:attr`); or pass `reward_fn=`."
@@ -60,10 +69,24 @@ class RewardConfig:
         "process on 127.0.0.1 (a free port), waits until it answers, sends every reward call there and stops "
         "it when the run ends, also on failure or Ctrl-C. `none`: rallyrl starts no server.",
     )
+    signature: Literal["auto", "trlx", "trl"] = _f(
+        "auto",
+        "How the reward functions are called: `trlx` = `fn(samples, prompts, outputs, **kwargs)` (kwargs: "
+        "`output_token_ids`, `tokenizer`, every data column); `trl` = as TRL's GRPOTrainer, by keyword: "
+        "`fn(prompts=, completions=, completion_ids=, **columns)`; `auto` = read from each function's "
+        "parameter names at start (docs/reward.md, \"Coming from TRL\").",
+    )
     server_args: list[str] = _f(
         [], "With `reward.server: local`: more `rallyrl serve-reward` options, e.g. `[--max-wait-ms, '20']` "
             "(--max-batch, --max-wait-ms, --no-batching, --max-body-mb; the function, host and port are "
             "set by rallyrl).",
+    )
+    overlong_buffer: OverlongBufferConfig | None = _f(
+        None,
+        "DAPO's soft overlong punishment: `{length: L, penalty: p}` adds `-p * clamp(n - (max_new_tokens - L), 0, "
+        "L) / L` to the score of a response of `n` sampled tokens (0 up to `max_new_tokens - L`, then linear down "
+        "to `-p` at `generation.max_new_tokens`), logged as the reward component `reward/overlong`; null = off. "
+        "See docs/algorithms.md.",
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .algorithm import GenerationConfig, PPOConfig, RolloutConfig
+from .env import EnvConfig
 from .model import DataConfig, ModelConfig
 from .reward import RewardConfig
 from .train import CheckpointConfig, DistConfig, EvalConfig, TrainConfig
@@ -25,6 +26,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

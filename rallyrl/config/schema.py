@@ -31,7 +31,7 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
     "reward.url": {"minItems": 1},  # (minItems only binds the list arm of `str | list[str]`)
     "model.lora.target_modules": {"minItems": 1},
 }
-REQUIRED = {"reward.fns[]": ["fn"]}
+REQUIRED = {"reward.fns[]": ["fn"], "reward.overlong_buffer": ["length"]}
 
 
 def _type(tp: Any, key: str) -> dict[str, Any]:

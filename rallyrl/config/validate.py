@@ -26,7 +26,9 @@ def validate(cfg: Config) -> None:
                           f"(greedy decoding would give the same completion {cfg.eval.samples_per_prompt} times)")
     _check_estimator(cfg)
     _check_engine(cfg)
+    _check_objective(cfg)
     _check_model(cfg)
+    _check_env(cfg)
     _check_reward(cfg.reward)
 
 
@@ -88,6 +90,34 @@ def _check_estimator(cfg: Config) -> None:
         raise ConfigError("ppo.drop_zero_std_groups is for ppo.estimator grpo or rloo (groups of completions)")
 
 
+def _check_objective(cfg: Config) -> None:
+    """The policy-loss variants and DAPO's sampling and shaping, across fields (docs/algorithms.md)."""
+    ppo, ro = cfg.ppo, cfg.rollout
+    if ppo.policy_loss == "cispo":
+        for key, unset in (("ratio_level", ppo.ratio_level == "token"), ("dual_clip", ppo.dual_clip is None),
+                           ("clip_range_high", ppo.clip_range_high is None)):
+            if not unset:
+                raise ConfigError(f"ppo.{key}={getattr(ppo, key)!r} does not apply to ppo.policy_loss=cispo (CISPO "
+                                  f"clips a per-token importance weight with ppo.cispo_clip_low/high, not the loss)")
+    if ppo.ratio_level == "sequence" and ppo.clip_range_high is not None:
+        raise ConfigError("ppo.clip_range_high is the token ratio's; with ppo.ratio_level=sequence set "
+                          "ppo.sequence_clip_range_high")
+    if ro.dynamic_sampling and (not ppo.critic_free or ro.samples_per_prompt < 2):
+        raise ConfigError(f"rollout.dynamic_sampling keeps groups whose rewards differ: it needs ppo.estimator grpo "
+                          f"or rloo and rollout.samples_per_prompt >= 2 (got ppo.estimator={ppo.estimator}, "
+                          f"rollout.samples_per_prompt={ro.samples_per_prompt})")
+    ob, n = cfg.reward.overlong_buffer, cfg.generation.max_new_tokens
+    if ob is not None:
+        if ob.length > n:
+            raise ConfigError(f"reward.overlong_buffer.length must be in [1, generation.max_new_tokens={n}], "
+                              f"got {ob.length}")
+        r = cfg.reward
+        names = [reward_fn_name(f) for f in r.fns] + ([r.fn.rsplit(":", 1)[-1]] if r.fn else [])
+        if "overlong" in names:
+            raise ConfigError("reward.overlong_buffer logs its penalty as the reward component 'overlong': rename the "
+                              "reward function of that name (reward.fns[i].name)")
+
+
 def _check_model(cfg: Config) -> None:
     if cfg.model.arch == "seq2seq" and cfg.model.reference != "copy":
         # checked here, not after loading a model: `rallyrl check` and the launcher's preflight see it
@@ -97,6 +127,41 @@ def _check_model(cfg: Config) -> None:
     if (isinstance(tm, str) and tm != "all-linear") or (isinstance(tm, list) and (not tm or "" in tm)):
         raise ConfigError(f"model.lora.target_modules must be 'all-linear' or a non-empty list of module names, "
                           f"got {tm!r}")
+
+
+# Why `env.factory` (or `train(env=...)`, checked in inputs.py) needs the hf engine: the multi-turn loop
+# calls engine.generate per turn like any engine, but its training rows do not yet carry a separate
+# engine's log-probs apart from the trainer's (`engine_logprobs`: ppo.engine_correction, engine/*), and
+# multi-turn episodes have not been run on vLLM.
+ENV_ENGINE = ("multi-turn episodes (env.factory / train(env=...)) need generation.engine: hf for now: their training "
+              "rows do not carry a separate engine's log-probs (ppo.engine_correction, engine/* metrics); "
+              "set generation.engine: hf")
+
+
+def env_refusal(cfg: Config) -> str | None:
+    """Why this config cannot run multi-turn episodes, or None. Besides the engine: the options of issue 29
+    that read a sample's length or keep or drop whole rows are defined for single-turn samples (one row a
+    sample, its length the sampled response), not for episodes split over turns and forked rows."""
+    if cfg.generation.engine != "hf":
+        return ENV_ENGINE
+    single = [k for k, on in (("rollout.dynamic_sampling", cfg.rollout.dynamic_sampling),
+                              ("reward.overlong_buffer", cfg.reward.overlong_buffer is not None),
+                              ("ppo.mask_truncated", cfg.ppo.mask_truncated)) if on]
+    if single:
+        return (f"{', '.join(single)} work on single-turn samples only, not on multi-turn episodes (env.factory / "
+                f"train(env=...)): an episode spans several turns and, after a fork, several rows; turn it off "
+                f"(a long episode is bounded by rollout.max_episode_tokens and ends as episode/truncated)")
+    return None
+
+
+def _check_env(cfg: Config) -> None:
+    """Multi-turn episodes (docs/environments.md)."""
+    if cfg.env.factory is not None and (why := env_refusal(cfg)):
+        raise ConfigError(why)
+    if cfg.env.on_template_drift == "fork" and cfg.model.sharding == "fsdp" and cfg.ppo.micro_batch_size:
+        raise ConfigError("env.on_template_drift: fork with model.sharding: fsdp needs ppo.micro_batch_size: null: a "
+                          "fork adds a training row on one rank only, and under fsdp every rank must run the same "
+                          "number of micro-batches")
 
 
 def _check_reward(r: RewardConfig) -> None:
@@ -124,6 +189,9 @@ def _check_reward_url(r: RewardConfig) -> None:
     if r.kwargs:
         raise ConfigError("reward.kwargs is for reward.fn; with reward.url use reward.timeout_s, "
                           "reward.retries and reward.protocol")
+    if r.signature != "auto":
+        raise ConfigError(f"reward.signature: {r.signature} is for reward functions that run in this process; with "
+                          f"reward.url the server calls its own function (rallyrl serve-reward --signature)")
     if r.placement == "collective":
         raise ConfigError("reward.url works with reward.placement main or local, not collective "
                           "(every rank would send the whole batch to the server)")
@@ -182,6 +250,10 @@ def config_warnings(cfg: Config) -> list[str]:
     if cfg.ppo.kl_in == "loss" and cfg.ppo.kl_estimator == "k1" and cfg.ppo.uses_reference:
         out.append("ppo.kl_in=loss with ppo.kl_estimator=k1: the gradient of k1 in the loss is zero in "
                    "expectation (it does not pull the policy towards the reference); use k3 (GRPO) or k2")
+    if cfg.ppo.ratio_level == "sequence" and cfg.ppo.loss_aggregation != "seq_mean_token_mean":
+        out.append(f"ppo.ratio_level=sequence with ppo.loss_aggregation={cfg.ppo.loss_aggregation}: each sequence's "
+                   f"loss then counts in proportion to its length; the GSPO paper's objective (one term per "
+                   f"sequence) is ppo.loss_aggregation=seq_mean_token_mean (TRL warns the same)")
     if cfg.ppo.critic_free and cfg.model.value_head != "linear":
         out.append(f"model.value_head={cfg.model.value_head} is ignored: ppo.estimator={cfg.ppo.estimator} "
                    f"trains no value head")

@@ -30,6 +30,11 @@ class PromptTable:
     def rows(self, idx: Sequence[int]) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def columns(self) -> list[str]:
+        """The metadata columns the reward function gets as keyword arguments (every column but the
+        prompt, plus ``prompt_messages`` in a set of conversations), known without reading the rows."""
+        raise NotImplementedError
+
 
 class ListTable(PromptTable):
     """Python records (an inline list, or a ``.jsonl`` that only Python can type: see ``open_prompts``)."""
@@ -44,6 +49,12 @@ class ListTable(PromptTable):
 
     def rows(self, idx: Sequence[int]) -> list[dict[str, Any]]:
         return [self.records[i] for i in idx]
+
+    def columns(self) -> list[str]:
+        cols: dict[str, None] = {}
+        for r in self.records:
+            cols.update(dict.fromkeys(k for k in r if k != "prompt"))
+        return list(cols) + ([MESSAGES_KEY] if self.chat else [])
 
 
 class ArrowTable(PromptTable):
@@ -60,6 +71,9 @@ class ArrowTable(PromptTable):
 
     def __len__(self) -> int:
         return self._n
+
+    def columns(self) -> list[str]:
+        return [c for c in self._ds.column_names if c != "prompt"] + ([MESSAGES_KEY] if self.chat else [])
 
     def rows(self, idx: Sequence[int]) -> list[dict[str, Any]]:
         if not len(idx):

@@ -190,6 +190,17 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def exchange_objects(outgoing: Sequence[Any]) -> list[Any]:
+    """All-to-all of picklable objects: this rank sends ``outgoing[d]`` to rank ``d`` and receives, in rank
+    order, what every rank sent it. One object scatter per source rank (``world_size`` collectives, each
+    moving only what its source sends; gloo has no object all-to-all). Every rank must call it."""
+    if len(outgoing) != world_size():
+        raise ValueError(f"exchange_objects: {len(outgoing)} objects for {world_size()} ranks")
+    if not is_distributed():
+        return list(outgoing)
+    return [scatter_objects(list(outgoing) if rank() == src else None, src=src) for src in range(world_size())]
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not is_distributed():
         return obj

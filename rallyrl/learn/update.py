@@ -106,8 +106,7 @@ def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: 
     logits, values = model(take(ro.query_ids, slice(q0, Q)), take(ro.query_mask, slice(q0, Q)), resp, m)
     logits = logits.float() / temperature  # (b, T, V)
     lp = ops.logprobs_from_logits(logits, resp)  # (b, T)
-    pg, pg_stats = ops.policy_loss(lp, take(ro.logprobs, t), take(adv.advantages, t), lm, ppo.clip_range, n_norm,
-                                   clip_range_high=ppo.clip_range_high, **agg)
+    pg, pg_stats = _policy_loss(ppo, lp, take(ro.logprobs, t), take(adv.advantages, t), lm, n_norm, agg)
     loss, zero = pg, torch.zeros((), device=device)
     vf, vf_clip, kl_loss = zero, zero, zero
     if values is not None:
@@ -132,3 +131,17 @@ def _micro_step(model: torch.nn.Module, batch: _Batch, rows: list[int], n_norm: 
                         loss.detach().double(), pg_stats["clipfrac"].double() * n, vf_clip.double() * n,
                         pg_stats["approx_kl"].double() * n, ops.masked_sum(ent.detach(), am).double(), n,
                         am.sum().double()])
+
+
+def _policy_loss(ppo: PPOConfig, lp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, lm: torch.Tensor,
+                 n_norm: torch.Tensor, agg: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of ``ppo.policy_loss`` / ``ppo.ratio_level`` / ``ppo.dual_clip`` (docs/algorithms.md),
+    normalised like every other term by the global count ``n_norm``."""
+    if ppo.policy_loss == "cispo":
+        return ops.cispo_loss(lp, old, advantages, lm, ppo.cispo_clip_low, ppo.cispo_clip_high, n_norm, **agg)
+    if ppo.ratio_level == "sequence":
+        return ops.policy_loss(lp, old, advantages, lm, ppo.sequence_clip_range, n_norm,
+                               clip_range_high=ppo.sequence_clip_range_high, ratio_level="sequence",
+                               dual_clip=ppo.dual_clip, **agg)
+    return ops.policy_loss(lp, old, advantages, lm, ppo.clip_range, n_norm, clip_range_high=ppo.clip_range_high,
+                           dual_clip=ppo.dual_clip, **agg)

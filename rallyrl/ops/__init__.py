@@ -10,10 +10,11 @@ stacked vector, so a multi-process run pays one collective per statistic
 
 Rooms: ``logprobs`` (log-probs, entropy, KL estimators), ``stats`` (masked
 sums, means, moments, whitening, running moments), ``advantages`` (reward
-shaping, GAE, group advantages), ``losses`` (loss aggregation, policy and
-value losses), ``control`` (KL controllers, learning-rate schedule), ``engine`` (the
-engine/trainer log-prob ratio, its correction weights and statistics). Import
-from here (``from rallyrl import ops; ops.gae(...)``): every public name is
+shaping, GAE, group advantages and their spread, the overlong penalty),
+``losses`` (loss aggregation; the PPO (token or GSPO sequence ratio, dual
+clip) and CISPO policy losses; the value loss), ``control`` (KL controllers,
+learning-rate schedule), ``engine`` (the engine/trainer log-prob ratio, its
+correction weights and statistics). Import from here (``from rallyrl import ops; ops.gae(...)``): every public name is
 re-exported.
 
 Shape legend used in docstrings and ``# (B, T)`` comments:
@@ -41,6 +42,8 @@ What a hole means, function by function:
 * :func:`gae`: the advantage chain runs over the action tokens in order; a
   hole is skipped (no discount step, its reward and value ignored), not
   treated as the end of the episode.
+* :func:`sequence_log_ratio` (GSPO): the mean over a row's ACTION tokens; a
+  hole counts neither in the sum nor in the length ``|y_i|``.
 
 On a mask without holes every function gives the same bits as before holes
 were supported.
@@ -48,12 +51,13 @@ were supported.
 
 from __future__ import annotations
 
-from .advantages import gae, group_advantages, penalized_rewards
+from .advantages import gae, group_advantages, group_spread, overlong_penalty, penalized_rewards
 from .common import ReduceFn
 from .engine import ENGINE_CORRECTIONS, engine_log_ratio, engine_mismatch_sums, engine_weights
 from .control import AdaptiveKLController, FixedKLController, lr_multiplier
 from .logprobs import KL_ESTIMATORS, entropy_from_logits, kl_estimate, logprobs_from_logits
-from .losses import LOSS_AGGREGATIONS, aggregate_loss, loss_units, policy_loss, value_loss
+from .losses import (LOSS_AGGREGATIONS, POLICY_LOSSES, RATIO_LEVELS, aggregate_loss, cispo_loss, loss_units, policy_loss,
+                     sequence_log_ratio, value_loss)
 from .stats import RunningMoments, masked_mean, masked_moments, masked_sum, masked_whiten
 
 __all__ = [
@@ -68,15 +72,21 @@ __all__ = [
     "penalized_rewards",
     "gae",
     "group_advantages",
+    "group_spread",
+    "overlong_penalty",
     "loss_units",
     "aggregate_loss",
     "policy_loss",
+    "sequence_log_ratio",
+    "cispo_loss",
     "value_loss",
     "FixedKLController",
     "AdaptiveKLController",
     "RunningMoments",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "RATIO_LEVELS",
+    "POLICY_LOSSES",
     "lr_multiplier",
     "ENGINE_CORRECTIONS",
     "engine_log_ratio",

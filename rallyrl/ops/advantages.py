@@ -200,6 +200,7 @@ def group_advantages(
     estimator: str,
     scale: str = "group",
     std_floor: float = 1e-4,
+    scorable: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Critic-free sequence advantages from each group's scores, by group id.
 
@@ -227,6 +228,13 @@ def group_advantages(
         estimator: ``"grpo"`` or ``"rloo"``.
         scale: ``grpo`` only: ``"group"``, ``"batch"`` or ``"none"``.
         std_floor: ``grpo``: the divisor is at least this.
+        scorable: ``(N,)`` bool, optional: False for a sample without a reward
+            (every reward function returned None; TRL #5902). Such a sample is
+            left out of its group's statistics (mean, std, count, the RLOO
+            baseline, the ``"batch"`` std) and gets advantage exactly 0; its
+            score is never read. A group with no scorable member gets 0 and
+            counts as zero-std. ``None``: every sample is scorable (the same
+            bits as without the argument).
 
     Returns:
         ``(advantages (N,) float64, zero_std (N,) bool: the sample's group has
@@ -237,6 +245,8 @@ def group_advantages(
     ids = group_ids.to(torch.long).reshape(-1)  # (N,)
     if s.shape != ids.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} differ")
+    if scorable is not None:
+        return _scorable_only(s, ids, scorable, estimator, scale, std_floor)
     st = _group_stats(s, ids)
     if estimator == "grpo":
         adv = _grpo(s, ids, st, scale, std_floor)
@@ -246,3 +256,67 @@ def group_advantages(
         raise ValueError(f"unknown critic-free estimator {estimator!r}; expected 'grpo' or 'rloo'")
     adv = torch.where(st.zero_std, s.new_zeros(()), adv)
     return adv, st.zero_std, st.group_std
+
+
+def _scorable_only(s: Tensor, ids: Tensor, scorable: Tensor, estimator: str, scale: str,
+                   std_floor: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``group_advantages`` over the scorable samples only; the others get advantage 0, and the zero-std
+    flag of their group (True for a group with no scorable member)."""
+    keep = scorable.to(torch.bool).reshape(-1)  # (N,)
+    if keep.shape != s.shape:
+        raise ValueError(f"scorable {tuple(scorable.shape)} and scores {tuple(s.shape)} differ")
+    P = int(ids.max()) + 1 if len(ids) else 0
+    adv_k, zero_k, std_k = group_advantages(s[keep], ids[keep], estimator, scale, std_floor)  # (K,) (K,) (P',)
+    adv = s.new_zeros(s.shape)  # (N,)
+    adv[keep] = adv_k
+    group_zero = torch.ones(P, dtype=torch.bool, device=s.device)  # (P,) no scorable member: no signal
+    group_zero[ids[keep]] = zero_k
+    group_std = s.new_zeros(P)  # (P,)
+    group_std[: len(std_k)] = std_k
+    return adv, group_zero[ids], group_std
+def group_spread(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """Whether each group id's scores are not all equal: ``(P,)`` bool, ``P = max id + 1``.
+
+    DAPO's dynamic-sampling test (Yu et al. 2025, section 3.2: ``0 < |{o_i correct}| < G``), generalised
+    to any score: a group whose members all scored the same has advantage exactly 0 under
+    :func:`group_advantages` and teaches nothing. False for a group of one and for an id without
+    samples. Gathered per id (``scatter_reduce``), never by reshaping, like the group statistics.
+
+    Args:
+        scores: ``(N,)`` one score per sample, of the whole global batch.
+        group_ids: ``(N,)`` int group id per sample.
+    """
+    s = scores.detach().to(torch.float64).reshape(-1)  # (N,)
+    ids = group_ids.to(torch.long).reshape(-1)  # (N,)
+    if s.shape != ids.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} differ")
+    P = int(ids.max()) + 1 if len(ids) else 0
+    hi = torch.full((P,), -math.inf, dtype=s.dtype).scatter_reduce(0, ids, s, "amax")  # (P,)
+    lo = torch.full((P,), math.inf, dtype=s.dtype).scatter_reduce(0, ids, s, "amin")  # (P,)
+    return hi > lo  # an unused id: -inf > inf is False
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, section 3.4), scaled by ``penalty``.
+
+    ``0`` for ``L <= max_len - buffer``, then linear down to ``-penalty`` at ``L = max_len``:
+
+        R(L) = -penalty * clamp(L - (max_len - buffer), 0, buffer) / buffer
+
+    (DAPO: ``penalty`` 1, ``buffer`` = L_cache; TRL's ``get_soft_overlong_punishment``, veRL's
+    ``overlong_buffer_cfg``, OpenRLHF's ``overlong_buffer_len`` / ``overlong_penalty_factor``.) A
+    length beyond ``max_len`` gets ``-penalty`` too.
+
+    Args:
+        lengths: ``(B,)`` response lengths in tokens.
+        max_len: the length budget (``generation.max_new_tokens``).
+        buffer: the soft zone's length, ``1 <= buffer <= max_len``.
+        penalty: the penalty at ``max_len`` (``>= 0``).
+
+    Returns:
+        ``(B,)`` float64 penalties (<= 0), to add to the scores.
+    """
+    if not 1 <= buffer <= max_len:
+        raise ValueError(f"overlong buffer {buffer} must be in [1, max_len={max_len}]")
+    excess = (lengths.to(torch.float64) - (max_len - buffer)).clamp(min=0, max=buffer)  # (B,)
+    return -penalty * excess / buffer

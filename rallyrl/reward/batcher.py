@@ -101,8 +101,9 @@ class Batcher:
         merged = Samples.concat([r for r, _ in batch])
         try:
             rewards, st = score_samples([self.fn], merged, self.tokenizer, self.max_batch)
-            # One function with weight 1: exactly its validated output (0.0 + 1.0 * x == x).
-            out = [rw.dense if rw.dense is not None else rw.score for rw in rewards]
+            # One function with weight 1: exactly its validated output (0.0 + 1.0 * x == x); None where
+            # it returned None (unscorable: JSON null on the wire).
+            out = [None if not rw.scorable else rw.dense if rw.dense is not None else rw.score for rw in rewards]
         except Exception as e:  # every request of the batch gets the error; the worker goes on
             self.stats.errors += 1
             for _, fut in batch:

@@ -94,7 +94,18 @@ def load_callable(spec: str, what: str = "reward.fn", kwargs: dict[str, Any] | N
 
 def resolve_reward_fns(cfg: "RewardConfig", reward_fn: Any = None) -> list["NamedRewardFn"]:
     """The run's reward functions: ``reward_fn`` (a callable, a ``NamedRewardFn`` or a list of them,
-    from the Python API) wins over ``reward.fns`` / ``reward.fn`` in the config."""
+    from the Python API) wins over ``reward.fns`` / ``reward.fn`` in the config. Each comes with its
+    signature (``reward.signature``, or read from its parameters: ``signature.py``), so a function that
+    cannot be called fails here, before any model loads."""
+    import dataclasses
+
+    from .signature import detect_signature
+
+    return [dataclasses.replace(nf, signature=nf.signature or detect_signature(nf.fn, nf.name, cfg.signature))
+            for nf in _reward_fns(cfg, reward_fn)]
+
+
+def _reward_fns(cfg: "RewardConfig", reward_fn: Any) -> list["NamedRewardFn"]:
     from ..config import ConfigError, reward_fn_name
     from .samples import NamedRewardFn
 

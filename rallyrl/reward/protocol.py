@@ -121,6 +121,16 @@ def parse_openrlhf_request(raw: bytes) -> Samples:
     return _samples(prompts, [q[len(p):] for q, p in zip(query, prompts)], None, metadata)
 
 
+def check_metadata_names(samples: Samples, reserved: Sequence[str]) -> None:
+    """A metadata column named like an argument the served function already gets (``reserved``, by its
+    signature: ``signature.passed_names``) would reach it twice: a 422 naming the column."""
+    for m in samples.metadata[:1]:  # every request row has the same columns (parse_score_request)
+        for col in m:
+            if col in reserved:
+                raise BadRequest(f"metadata.{col}", f"is the name of an argument the served reward function "
+                                                    f"gets ({', '.join(reserved)}); rename the column")
+
+
 def _samples(prompts, outputs, token_ids, metadata) -> Samples:
     # No token ids (OpenRLHF's protocol has none): the reward function gets None for each sample, and
     # `score_samples` then cannot check a dense reward's length; the client, which has the ids, does.

@@ -21,6 +21,9 @@ class NamedRewardFn:
     name: str
     fn: RewardFn
     weight: float = 1.0
+    # How it is called: "trlx" or "trl" (reward/signature.py). None: read from its parameters at the
+    # first call; a run sets it at start (`resolve_reward_fns`), so a bad signature fails before models load.
+    signature: str | None = None
 
 
 @dataclass
@@ -52,14 +55,20 @@ class Samples:
 class Reward:
     """The combined reward of one sample: a scalar ``score`` (placed on the last output token) plus an
     optional dense per-token part aligned to the output tokens. ``components`` holds each reward
-    function's own (unweighted) value, dense parts summed, keyed by the function's name."""
+    function's own (unweighted) value, dense parts summed, keyed by the function's name; a function that
+    returned None for the sample has no entry. ``scorable`` is False when EVERY function returned None:
+    the sample has no reward (``score`` 0.0, never used: docs/reward.md, "None: unscorable")."""
 
     score: float
     dense: list[float] | None = None
     components: dict[str, float] = field(default_factory=dict)
+    scorable: bool = True
 
     @property
-    def total(self) -> float:
+    def total(self) -> float | None:
+        """The scalar plus the dense rewards; None for an unscorable sample."""
+        if not self.scorable:
+            return None
         return self.score + (sum(self.dense) if self.dense else 0.0)
 
 

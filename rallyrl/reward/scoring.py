@@ -1,17 +1,20 @@
-"""Calling reward functions: the trlx-compatible arguments (``call_kwargs``), one bounded call inside
-``isolated_rng()`` (``reward.timeout_s``), and ``score_samples``: every function over a batch in
-micro-batches, validated and combined with its weight. Raises on any failure; the reward step
-(``step.py``) makes the failure collective, the reward server (``server.py``) answers it with a 500.
+"""Calling reward functions: the arguments of each function's signature (trlx's or TRL's:
+``signature.py``), one bounded call inside ``isolated_rng()`` (``reward.timeout_s``), and
+``score_samples``: every function over a batch in micro-batches, validated and combined with its weight
+(None = unscorable). Raises on any failure; the reward step (``step.py``) makes the failure collective,
+the reward server (``server.py``) answers it with a 500.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from .samples import NamedRewardFn, Reward, RewardFn, Samples, StepStats, micro_batches
+from .signature import call_arguments, detect_signature, trlx_kwargs
 from .validate import validate_rewards
 
 # `seeding` and `client` are imported where they are used: `seeding` imports torch, and `import rallyrl`
@@ -21,15 +24,10 @@ _NO_LENGTH = 2**62  # see score_samples
 
 
 def call_kwargs(samples: Samples, tokenizer: Any) -> dict[str, Any]:
-    """trlx-compatible keyword arguments: every metadata column as a per-sample list (None where a
-    sample lacks it), plus ``output_token_ids`` and ``tokenizer``."""
-    cols: dict[str, None] = {}
-    for m in samples.metadata:
-        cols.update(dict.fromkeys(m))
-    kwargs: dict[str, Any] = {c: [m.get(c) for m in samples.metadata] for c in cols}
-    kwargs["output_token_ids"] = samples.output_token_ids
-    kwargs["tokenizer"] = tokenizer
-    return kwargs
+    """trlx-compatible keyword arguments (the metric function's): every metadata column as a per-sample
+    list (None where a sample lacks it), plus ``output_token_ids`` and ``tokenizer``; a column of one of
+    the argument names is refused (``signature.trlx_kwargs``)."""
+    return trlx_kwargs(samples, tokenizer)
 
 
 class RewardTimeoutError(TimeoutError):
@@ -40,33 +38,22 @@ def _call_bounded(fn: RewardFn, args: tuple, kwargs: dict[str, Any], timeout_s: 
     """``fn(*args, **kwargs)`` inside ``isolated_rng()`` on a helper thread, waited for at most
     ``timeout_s``. The caller's thread only waits meanwhile, so the RNG save/restore cannot race with it;
     a call that overruns cannot be killed: it is left running (a daemon thread) and the run stops."""
-    import threading
-
     import torch
 
     from ..seeding import isolated_rng
+    from ..threads import call_within
 
     # The current CUDA device is per thread: the helper uses the caller's (a rank's own GPU, not cuda:0).
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    box: dict[str, Any] = {}
 
-    def run() -> None:
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            with isolated_rng():
-                box["out"] = fn(*args, **kwargs)
-        except BaseException as e:  # re-raised on the caller's thread
-            box["error"] = e
+    def run() -> Any:
+        if device is not None:
+            torch.cuda.set_device(device)
+        with isolated_rng():
+            return fn(*args, **kwargs)
 
-    t = threading.Thread(target=run, name="rallyrl-reward-call", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        raise RewardTimeoutError(f"reward function {name!r} did not return within reward.timeout_s={timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["out"]
+    return call_within(timeout_s, run, "rallyrl-reward-call", lambda: RewardTimeoutError(
+        f"reward function {name!r} did not return within reward.timeout_s={timeout_s:g} s"))
 
 
 def score_samples(
@@ -85,13 +72,13 @@ def score_samples(
     again here.
     """
     n = len(samples)
-    rewards = [Reward(0.0) for _ in range(n)]
+    rewards = [Reward(0.0, scorable=False) for _ in range(n)]  # scorable once some function gives a value
     stats = StepStats()
     for nf in fns:
+        style = nf.signature or detect_signature(nf.fn, nf.name)
         for a, b in micro_batches(n, batch_size):
             part = samples.slice(a, b)
-            args = ([p + o for p, o in zip(part.prompts, part.outputs)], part.prompts, part.outputs)
-            kwargs = call_kwargs(part, tokenizer)
+            args, kwargs = call_arguments(nf.fn, style, part, tokenizer)
             t0 = time.perf_counter()
             out = _call(nf, args, kwargs, isolate, timeout_s)
             stats.time_reward += time.perf_counter() - t0
@@ -111,17 +98,39 @@ def _call(nf: NamedRewardFn, args: tuple, kwargs: dict[str, Any], isolate: bool,
     from ..seeding import isolated_rng
     from .client import RemoteReward
 
+    fn = _awaiting(nf.fn)
     if timeout_s is not None and isolate and not isinstance(nf.fn, RemoteReward):
-        return _call_bounded(nf.fn, args, kwargs, timeout_s, nf.name)
+        return _call_bounded(fn, args, kwargs, timeout_s, nf.name)
     with isolated_rng() if isolate else contextlib.nullcontext():
-        return nf.fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+
+def _awaiting(fn: RewardFn) -> RewardFn:
+    """``fn``, with what an ``async`` reward function (TRL allows them) returns run to completion on an
+    event loop of its own, on the calling thread (``_call_bounded``'s helper thread, or the caller's):
+    inside ``isolated_rng()`` and the time bound like any call."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if inspect.iscoroutine(out):
+            import asyncio
+
+            out = asyncio.run(out)
+        return out
+
+    return call
 
 
 def _combine(rewards: list[Reward], checked: list[Any], lengths: list[int], nf: NamedRewardFn) -> None:
     """Add one function's validated output (``checked``, aligned with ``rewards``) with its weight: a
     scalar to ``score``, a per-token list to ``dense`` token by token; ``components`` keeps the
-    function's own unweighted value (a dense one summed)."""
+    function's own unweighted value (a dense one summed). None: this function has no say on that sample
+    (it adds nothing and has no component, as TRL's nansum over functions); a sample stays unscorable
+    only while every function has returned None for it."""
     for rw, r, length in zip(rewards, checked, lengths):
+        if r is None:
+            continue
+        rw.scorable = True
         if isinstance(r, list):
             n_tok = length if length != _NO_LENGTH else len(r)
             dense = rw.dense if rw.dense is not None else [0.0] * n_tok

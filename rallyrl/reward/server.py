@@ -38,9 +38,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from .batcher import Batcher, BatcherStats
-from .protocol import (TOKEN_ENV, BadRequest, check_token, parse_openrlhf_request, parse_score_request,
-                       read_limited)
+from .protocol import (TOKEN_ENV, BadRequest, check_metadata_names, check_token, parse_openrlhf_request,
+                       parse_score_request, read_limited)
 from .samples import NamedRewardFn
+from .signature import SIGNATURES, detect_signature, passed_names
 
 # The request rules live in protocol.py and the batcher in batcher.py; their names stay importable from
 # here (the tests, the docs and users' scripts import them from `rallyrl.reward.server`).
@@ -84,7 +85,9 @@ def _schemas() -> SimpleNamespace:
                               "dense rewards)")
 
     class ScoreResponse(BaseModel):
-        rewards: list[float | list[float]] = Field(description="a float, or a per-token list, per sample")
+        rewards: list[float | list[float] | None] = Field(
+            description="a float, or a per-token list, per sample; null: the function returned None for it "
+                        "(unscorable)")
 
     class OpenRLHFRequest(BaseModel):
         query: list[str] = Field(description="prompt + response, per sample")
@@ -119,10 +122,13 @@ def _scorer(batcher: Batcher, token: str | None, max_body_bytes: int) -> Any:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         return JSONResponse({"error": message, "field": field}, status_code=status, headers=headers)
 
+    reserved = passed_names(batcher.fn.signature or detect_signature(batcher.fn.fn, batcher.fn.name))
+
     async def score(request: Request, parse: Any) -> tuple[list[Any] | None, JSONResponse | None]:
         try:
             check_token(request.headers.get("authorization"), token)
             samples = parse(await read_limited(request, max_body_bytes))
+            check_metadata_names(samples, reserved)
         except BadRequest as e:
             return None, error(e.status, str(e), e.field)
         try:
@@ -133,6 +139,18 @@ def _scorer(batcher: Batcher, token: str | None, max_body_bytes: int) -> Any:
     return score
 
 
+def _no_null(rewards: list[Any]) -> Any:
+    """OpenRLHF's protocol has no "unscorable": its trainer makes a tensor of the rewards, which a null
+    would break. A sample the function returned None for is answered with a 422 naming it (not retried:
+    the same samples give the same answer), and the rallyrl protocol named as the way to send None."""
+    from fastapi.responses import JSONResponse
+
+    i = rewards.index(None)
+    return JSONResponse({"error": f"the reward function returned None (unscorable) for sample {i}; OpenRLHF's "
+                                  f"protocol (POST /get_reward) cannot carry None: use POST /score (reward.protocol: "
+                                  f"rallyrl), or return a number", "field": f"rewards[{i}]"}, status_code=422)
+
+
 def _add_routes(app: Any, batcher: Batcher, score: Any, schemas: SimpleNamespace) -> None:
     """``GET /health``, ``POST /score`` (rallyrl's protocol), ``POST /get_reward`` (OpenRLHF's)."""
     from fastapi import Request
@@ -140,7 +158,8 @@ def _add_routes(app: Any, batcher: Batcher, score: Any, schemas: SimpleNamespace
     @app.get("/health")
     async def health() -> dict[str, Any]:
         st = batcher.stats
-        return {"status": "ok", "reward_fn": batcher.fn.name, "max_batch": batcher.max_batch,
+        return {"status": "ok", "reward_fn": batcher.fn.name, "signature": batcher.fn.signature,
+                "max_batch": batcher.max_batch,
                 "max_wait_ms": batcher.max_wait_s * 1000, "batching": batcher.batching,
                 "requests": st.requests, "samples": st.samples, "calls": st.calls, "errors": st.errors}
 
@@ -154,6 +173,8 @@ def _add_routes(app: Any, batcher: Batcher, score: Any, schemas: SimpleNamespace
               openapi_extra=schemas.openrlhf)
     async def score_openrlhf(request: Request) -> Any:
         rewards, err = await score(request, parse_openrlhf_request)
+        if err is None and None in rewards:
+            return _no_null(rewards)
         return err or {"rewards": rewards, "scores": rewards, "extra_logs": {}}
 
 
@@ -169,6 +190,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     src.add_argument("--model", metavar="HF_DIR", help="a sequence classifier folder (built-in hf_classifier)")
     p.add_argument("--kwargs", metavar="JSON", default=None,
                    help="--fn is a factory called with these keyword arguments (a JSON object)")
+    p.add_argument("--signature", choices=SIGNATURES, default="auto",
+                   help="--fn: how it is called, trlx's fn(samples, prompts, outputs, **kwargs) or TRL's keywords "
+                        "(default auto: read from its parameters; docs/reward.md)")
     p.add_argument("--label", default=None, help="--model: the label whose score is the reward (name or index)")
     p.add_argument("--device", default=None, help="--model: device of the classifier, e.g. cuda:7")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -198,16 +222,20 @@ def build_reward_fn(args: argparse.Namespace) -> NamedRewardFn:
                 raise ImportPathError(f"--kwargs is not valid JSON: {e}") from None
             if not isinstance(kwargs, dict):
                 raise ImportPathError(f"--kwargs must be a JSON object, got {type(kwargs).__name__}")
-        return NamedRewardFn(args.fn.rsplit(":", 1)[-1], load_callable(args.fn, "--fn", kwargs))
+        name = args.fn.rsplit(":", 1)[-1]
+        fn = load_callable(args.fn, "--fn", kwargs)
+        return NamedRewardFn(name, fn, signature=detect_signature(fn, name, getattr(args, "signature", "auto")))
     from .hf import hf_classifier
 
     if args.kwargs is not None:
         raise ImportPathError("--kwargs is for --fn; --model takes --label and --device")
+    if getattr(args, "signature", "auto") != "auto":
+        raise ImportPathError("--signature is for --fn; the --model classifier is called the trlx way")
     label: str | int | None = args.label
     if isinstance(label, str) and label.isdigit():
         label = int(label)
     options = {"device": args.device} if args.device else {}
-    return NamedRewardFn("hf_classifier", hf_classifier(args.model, label=label, **options))
+    return NamedRewardFn("hf_classifier", hf_classifier(args.model, label=label, **options), signature="trlx")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -234,9 +262,11 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"--max-body-mb must be > 0, got {args.max_body_mb}")
     if not 0 <= args.port < 65536:
         return fail(f"--port must be in [0, 65535], got {args.port}")
+    from ..config import ConfigError
+
     try:
         fn = build_reward_fn(args)
-    except (ImportPathError, HFClassifierError) as e:
+    except (ImportPathError, HFClassifierError, ConfigError) as e:  # ConfigError: RewardSignatureError
         return fail(str(e))
     token = os.environ.get(TOKEN_ENV) or None
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
@@ -256,7 +286,8 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"cannot bind {args.host}:{args.port}: {e}")
     port = sock.getsockname()[1]
     shown = f"[{args.host}]" if family == socket.AF_INET6 else args.host
-    print(f"rallyrl serve-reward: {fn.name} on http://{shown}:{port} (max batch {args.max_batch}, "
+    print(f"rallyrl serve-reward: {fn.name} on http://{shown}:{port} ({fn.signature} signature, "
+          f"max batch {args.max_batch}, "
           f"max wait {args.max_wait_ms:g} ms{', batching off' if args.no_batching else ''}"
           f"{', token required' if token else ''})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))

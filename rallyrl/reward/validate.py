@@ -22,6 +22,9 @@ def _as_number(x: Any, where: str) -> float:
         x = x.item()
     elif isinstance(x, np.ndarray) and x.ndim == 0:
         x = x.item()
+    if x is None:  # None is a whole sample's "unscorable", not one token's
+        raise RewardValidationError(f"{where}: expected a number, got None (None means unscorable and stands "
+                                    f"for a whole sample's reward, not for one token of a dense reward)")
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise RewardValidationError(f"{where}: expected a number, got {type(x).__name__} {x!r}")
     v = float(x)
@@ -32,13 +35,14 @@ def _as_number(x: Any, where: str) -> float:
 
 def validate_rewards(
     out: Any, output_lengths: Sequence[int], fn_name: str = "reward function", offset: int = 0
-) -> list[float | list[float]]:
+) -> list[float | list[float] | None]:
     """Check and normalise one reward call's output.
 
     Accepts a list/tuple, a 1-D tensor or array of scalars, or per-sample dense lists (a list or 1-D
-    tensor per sample, aligned to the sample's output tokens and no longer than them). Returns a list
-    with a float or a list of floats per sample. ``offset`` is the global index of the first sample of
-    this call, so messages name the sample as the user sees it.
+    tensor per sample, aligned to the sample's output tokens and no longer than them); ``None`` for a
+    sample means unscorable (as in TRL) and is kept. Returns a list with a float, a list of floats or
+    None per sample. ``offset`` is the global index of the first sample of this call, so messages name
+    the sample as the user sees it.
     """
     import numpy as np
     import torch
@@ -57,9 +61,12 @@ def validate_rewards(
         )
     if len(out) != n:
         raise RewardValidationError(f"{fn_name}: expected {n} rewards, got {len(out)}")
-    result: list[float | list[float]] = []
+    result: list[float | list[float] | None] = []
     for i, r in enumerate(out):
         where = f"{fn_name}: sample {offset + i}"
+        if r is None:
+            result.append(None)
+            continue
         if isinstance(r, (torch.Tensor, np.ndarray)) and r.ndim == 1:
             r = r.tolist()
         if isinstance(r, (list, tuple)):

@@ -51,22 +51,77 @@ class Rollouts:
     global_index: list[int] = field(default_factory=list)  # the sample's index in the iteration's global batch
     group: list[int] = field(default_factory=list)  # group id (= global_index // samples_per_prompt)
     reward_components: list[dict[str, float]] = field(default_factory=list)
+    # Multi-turn episodes only (empty for single-turn ones, where every row is a whole episode). A forked
+    # episode spans several rows, all with its global_index; its score sits on its LAST row.
+    segment: list[int] = field(default_factory=list)  # the row's place in its episode (0, 1, ... after forks)
+    episodes: list[dict[str, Any] | None] = field(default_factory=list)  # the episode's transcript on its last row
     # A separate engine's (vLLM) sampling log-probs beside the trainer's `logprobs` (B, T), 0 off the action
     # mask; None when the engine is the trainer (hf) or its log-probs are the old log-probs (`generate`).
     engine_logprobs: torch.Tensor | None = None
     versions: list[int] = field(default_factory=list)  # per sample: the engine weight version that sampled it
+    # (B,) bool: the sample has a reward (False: every reward function returned None; its score is 0.0
+    # and unused). None: every sample has one, which is every run whose functions never return None.
+    scorable: torch.Tensor | None = None
+    # Per sample; an empty list means False for every sample (batches built by hand in tests).
+    truncated: list[bool] = field(default_factory=list)  # cut by generation.max_new_tokens (no EOS, no stop)
+    filler: list[bool] = field(default_factory=list)  # dynamic sampling: a group that only fills the batch
+    #                                                   (rollout/dynamic.py): out of the loss and group statistics
 
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def flags(self, name: str) -> torch.Tensor:
+        """(B,) bool: the per-sample flag ``truncated`` or ``filler`` (False everywhere when unset)."""
+        values = getattr(self, name)
+        return torch.tensor(values, dtype=torch.bool) if values else torch.zeros(len(self), dtype=torch.bool)
+
+    def add_reward(self, name: str, values: torch.Tensor) -> None:
+        """Add a per-sample reward that rallyrl computes itself (e.g. ``reward.overlong_buffer``'s penalty)
+        to the scores, and record it as the reward component ``name`` (logged as ``reward/<name>``)."""
+        if any(name in c for c in self.reward_components):
+            raise ValueError(f"reward component {name!r} is already set (a reward function of that name?)")
+        self.scores = self.scores + values.to(self.scores.dtype)
+        comps = self.reward_components or [{} for _ in range(len(self))]
+        self.reward_components = [{**c, name: float(v)} for c, v in zip(comps, values.tolist())]
+
+    def select(self, rows: Sequence[int]) -> "Rollouts":
+        """The samples ``rows`` (in that order), with every tensor and per-sample list."""
+        idx = torch.tensor(list(rows), dtype=torch.long)
+
+        def t(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[idx]
+
+        def pick(xs: list[Any]) -> list[Any]:
+            return [xs[i] for i in rows] if xs else []
+
+        return Rollouts(
+            query_ids=self.query_ids[idx], query_mask=self.query_mask[idx], response_ids=self.response_ids[idx],
+            response_mask=self.response_mask[idx], action_mask=self.action_mask[idx], logprobs=self.logprobs[idx],
+            ref_logprobs=t(self.ref_logprobs), values=t(self.values), scores=self.scores[idx],
+            dense_scores=t(self.dense_scores), prompts=pick(self.prompts), outputs=pick(self.outputs),
+            metadata=pick(self.metadata), global_index=pick(self.global_index), group=pick(self.group),
+            reward_components=pick(self.reward_components), truncated=pick(self.truncated),
+            filler=pick(self.filler), engine_logprobs=t(self.engine_logprobs), versions=pick(self.versions),
+            scorable=t(self.scorable), segment=pick(self.segment), episodes=pick(self.episodes),
+        )
+
     def total_rewards(self) -> torch.Tensor:
-        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards."""
+        """(B,) each sample's whole reward: the scalar score plus its dense per-token rewards (0.0 for an
+        unscorable one: read ``scorable``)."""
         dense = self.dense_scores.sum(1).double() if self.dense_scores is not None else 0.0
         return self.scores.double() + dense  # float64: the logged value is the exact sum of the two parts
+
+    def last_rows(self) -> torch.Tensor:
+        """(B,) bool: the rows that end an episode (every row, unless an episode was forked)."""
+        if not self.episodes:
+            return torch.ones(len(self), dtype=torch.bool)
+        return torch.tensor([t is not None for t in self.episodes], dtype=torch.bool)
 
     @staticmethod
     def from_chunk(ep: "Episodes", scored: "Scored", rewards: Sequence["Reward"], prompts: list[str],
                    metadata: list[dict[str, Any]], global_index: list[int], group_size: int = 1) -> "Rollouts":
+        if ep.row_episode:
+            return _from_episode_rows(ep, scored, rewards, prompts, metadata, global_index, group_size)
         T = ep.response_ids.shape[1]
         # the engine's log-probs are kept apart when the trainer computed its own (`forward`)
         engine_lp = ep.logprobs if ep.logprobs is not None and scored.logprobs is not ep.logprobs else None
@@ -84,7 +139,9 @@ class Rollouts:
             dense_scores=dense, prompts=list(prompts), outputs=list(ep.outputs), metadata=list(metadata),
             global_index=list(global_index), group=[i // group_size for i in global_index],
             reward_components=[rw.components for rw in rewards], engine_logprobs=engine_lp,
-            versions=[ep.version] * len(rewards),
+            versions=[ep.version] * len(rewards), truncated=list(ep.truncated),
+            scorable=(None if all(rw.scorable for rw in rewards)
+                      else torch.tensor([rw.scorable for rw in rewards], dtype=torch.bool)),
         )
 
     @staticmethod
@@ -112,6 +169,9 @@ class Rollouts:
         def joined(get: Any) -> list[Any]:
             return [x for p in parts for x in get(p)]
 
+        def flags(name: str) -> list[bool]:  # unset in every part stays unset
+            return [] if not any(getattr(p, name) for p in parts) else [x for p in parts for x in p.flags(name).tolist()]
+
         return Rollouts(
             query_ids=torch.cat([left(p.query_ids, pad_id) for p in parts]),
             query_mask=torch.cat([left(p.query_mask, False) for p in parts]),
@@ -124,8 +184,54 @@ class Rollouts:
             prompts=joined(lambda p: p.prompts), outputs=joined(lambda p: p.outputs),
             metadata=joined(lambda p: p.metadata), global_index=joined(lambda p: p.global_index),
             group=joined(lambda p: p.group), reward_components=joined(lambda p: p.reward_components),
+            segment=joined(lambda p: p.segment), episodes=joined(lambda p: p.episodes),
             engine_logprobs=optional(lambda p: p.engine_logprobs), versions=joined(lambda p: p.versions),
+            scorable=(None if all(p.scorable is None for p in parts) else torch.cat(
+                [p.scorable if p.scorable is not None else torch.ones(len(p), dtype=torch.bool) for p in parts])),
+            truncated=flags("truncated"), filler=flags("filler"),
         )
+
+
+def _from_episode_rows(ep: "Episodes", scored: "Scored", rewards: Sequence["Reward"], prompts: list[str],
+                       metadata: list[dict[str, Any]], global_index: list[int], group_size: int) -> Rollouts:
+    """``Rollouts.from_chunk`` for multi-turn episodes: one reward per EPISODE, rows per episode (more than
+    one after a fork). The episode's score (+ the environment's summed rewards, ``env.turn_rewards: sum``)
+    goes on its last row; a dense reward (aligned to the episode's response tokens, all rows in order) is
+    cut into the rows; per-turn environment rewards are already placed (``ep.env_dense``)."""
+    B, T = ep.response_ids.shape
+    k = ep.row_episode
+    last = [i == B - 1 or k[i + 1] != k[i] for i in range(B)]
+    segment: list[int] = []
+    for i in range(B):
+        segment.append(segment[-1] + 1 if i and k[i - 1] == k[i] else 0)
+    env_sum = ep.env_scores or [0.0] * len(rewards)
+    scores = [rewards[k[i]].score + env_sum[k[i]] if last[i] else 0.0 for i in range(B)]
+    lengths = ep.response_mask.sum(1).tolist()
+    dense = ep.env_dense.clone() if ep.env_dense is not None else None
+    if any(rw.dense is not None for rw in rewards):
+        dense = dense if dense is not None else torch.zeros(B, T)  # (B, T)
+        offset = 0
+        for i in range(B):
+            offset = 0 if segment[i] == 0 else offset
+            d = rewards[k[i]].dense
+            if d is not None:
+                part = d[offset : offset + lengths[i]]
+                dense[i, : len(part)] += torch.tensor(part)
+            offset += lengths[i]
+    return Rollouts(
+        query_ids=ep.query_ids, query_mask=ep.query_mask, response_ids=ep.response_ids,
+        response_mask=ep.response_mask, action_mask=ep.action_mask, logprobs=scored.logprobs,
+        ref_logprobs=scored.ref_logprobs, values=scored.values,
+        scores=torch.tensor(scores, dtype=torch.float64).float(), dense_scores=dense,
+        prompts=[prompts[e] for e in k], outputs=[ep.outputs[e] for e in k], metadata=[metadata[e] for e in k],
+        global_index=[global_index[e] for e in k], group=[global_index[e] // group_size for e in k],
+        reward_components=[rewards[e].components if last[i] else {} for i, e in enumerate(k)],
+        segment=segment, episodes=[ep.transcripts[e] if last[i] else None for i, e in enumerate(k)],
+        # an episode without a reward (every function returned None): each of its rows
+        scorable=(None if all(rw.scorable for rw in rewards)
+                  else torch.tensor([rewards[e].scorable for e in k], dtype=torch.bool)),
+        versions=[ep.version] * B,  # generation.engine: hf only (config/validate.py): no engine_logprobs
+    )
 
 
 @dataclass

@@ -7,19 +7,22 @@ import time
 import torch
 
 from .. import dist
-from ..inputs import PromptSet
+from ..errors import EpisodeError
+from ..data import PromptSet
 from ..models import LoadedModels
 from ..reward.step import RewardStep, Samples, StepStats
 from .batch import Rollouts, Shard
 from .engine import GenerationEngine, SamplingSpec
-from .episode import run_episodes
+from .env import EnvSetup
+from .episode import Episodes, env_records, reward_metadata, run_env_episodes, run_episodes
 from .scoring import score_tokens
 
 
 @dist.stage("rollout stage (generation and the central reward step)")
 def collect_rollouts(models: LoadedModels, engine: GenerationEngine, reward_step: RewardStep, prompts: PromptSet,
                      shard: Shard, spec: SamplingSpec, device: torch.device,
-                     from_generation: bool | None = None) -> tuple[Rollouts, StepStats, dict[str, float]]:
+                     from_generation: bool | None = None,
+                     env: EnvSetup | None = None) -> tuple[Rollouts, StepStats, dict[str, float]]:
     """Each chunk round: run its episodes, submit the round to the central reward step, run the
     log-prob/value passes (the policy's part comes from the engine when ``spec.logprobs``:
     ``rollout.logprobs_from: generate``). The rewards are collected once, after the last round (with
@@ -37,9 +40,10 @@ def collect_rollouts(models: LoadedModels, engine: GenerationEngine, reward_step
         mine = shard.round(r)  # may be empty on some ranks
         texts, metadata = prompts.texts(mine), prompts.metadata(mine)
         t0 = time.perf_counter()
-        ep = run_episodes(engine, models.tokenizer, prompts.token_ids(mine), spec)
+        ep = episodes(engine, models.tokenizer, prompts, mine, spec, env)
         t_gen += time.perf_counter() - t0
-        handles.append(reward_step.submit(Samples(texts, ep.outputs, ep.response_lists, metadata)))  # a collective
+        samples = Samples(texts, ep.outputs, ep.response_lists, reward_metadata(metadata, ep.transcripts))
+        handles.append(reward_step.submit(samples))  # a collective
         t0 = time.perf_counter()
         # every rank calls it (under fsdp it gathers the weights: a collective); None for an empty chunk
         scored = score_tokens(models.policy, models.reference, ep, spec.temperature, device, from_generation)
@@ -55,3 +59,16 @@ def collect_rollouts(models: LoadedModels, engine: GenerationEngine, reward_step
               for r, ep, scored, texts, metadata, index in pending]
     ro = Rollouts.concat(chunks, models.tokenizer.pad_token_id)
     return ro, total, {"time/generate": t_gen, "time/forward": t_fwd, "time/rollout": time.perf_counter() - t_start}
+
+
+def episodes(engine: GenerationEngine, tokenizer: object, prompts: PromptSet, rows: list[int], spec: SamplingSpec,
+             env: EnvSetup | None) -> Episodes:
+    """One chunk round's episodes (every rank, every round, ``rows`` possibly empty): single turn without an
+    environment; with one, multi-turn episodes whose failure on any rank (an environment or tool error, a
+    template that is not prefix-preserving) is raised as the same ``EpisodeError`` on every rank, before
+    any rank enters the reward step's collective (one all-gather per round, only with an environment)."""
+    if env is None:
+        return run_episodes(engine, tokenizer, prompts.token_ids(rows), spec)
+    records = env_records(prompts.texts(rows), prompts.metadata(rows))
+    return dist.agree(lambda: run_env_episodes(engine, tokenizer, records, rows, spec, env), EpisodeError,
+                      what="multi-turn episode")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 from .. import dist
 from ..errors import EngineError
 from ..seeding import isolated_rng
+from ..threads import call_within
 from .engine import Sampled, SamplingSpec, no_prompts
 from .hf import truncate
 
@@ -255,21 +255,8 @@ def _policy_probe(policy: Any, ids: list[int]) -> torch.Tensor:
 
 def _within(seconds: float, fn: Callable[[], None], what: str) -> None:
     """``fn()`` in a thread, waited for at most ``seconds`` (a push that hangs must not hang the run)."""
-    box: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:  # re-raised in the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="rallyrl-vllm-push", daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        raise TimeoutError(f"{what} did not finish within generation.vllm.sync_timeout_s={seconds:g} s")
-    if "error" in box:
-        raise box["error"]
+    call_within(seconds, fn, "rallyrl-vllm-push",
+                lambda: TimeoutError(f"{what} did not finish within generation.vllm.sync_timeout_s={seconds:g} s"))
 
 
 @contextlib.contextmanager

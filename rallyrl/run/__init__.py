@@ -6,7 +6,7 @@
   earlier run, or a resume from which checkpoint) and the refusals, each naming a command that works;
 - ``logs``: the JSONL logs, read and written in this one place (``metrics.jsonl`` as a tracker,
   ``rollouts.jsonl``, evaluation samples, ``config_history.jsonl``; ``read_jsonl``);
-- ``console``: what the run says while it runs (``RunLog``) and what ``train()`` returns (``TrainResult``);
+- ``console``: what the run says while it runs (``RunLog``); ``result``: what ``train()`` returns (``TrainResult``);
 - ``stage``: stage 7 of the loop, checkpoints and ``final/``; ``checkpoint``: the checkpoint files
   (atomic save, verify, resume choice, load); ``card``: ``final/README.md``.
 

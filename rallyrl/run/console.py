@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,22 +20,13 @@ from .. import dist
 from ..callbacks import Callbacks
 from ..config import Config, config_warnings
 from ..errors import Preempted
-from .logs import RunWriter
+from .logs import RunWriter, episode_records
+from .result import TrainResult
 
 if TYPE_CHECKING:
     from ..rollout import Rollouts
 
 __all__ = ["RunLog", "TrainResult", "stderr_is_terminal", "wait_notice_after_s"]
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    metrics: list[dict[str, float]] = field(default_factory=list)  # one dict per iteration (main rank)
-    eval_before: dict[str, float] = field(default_factory=dict)  # eval/* before the first iteration
-    eval_after: dict[str, float] = field(default_factory=dict)  # eval/* of the latest evaluation
-    iterations: int = 0  # the last completed iteration (also after a resume)
-    stopped_by: str | None = None  # "EarlyStop.on_iteration" when a callback ended the run early
 
 
 def wait_notice_after_s() -> float:
@@ -181,12 +171,16 @@ class RunLog:
         ``train.log_rollouts: false``."""
         if not self.log_rollouts:
             return
-        totals = ro.total_rewards().tolist()
+        totals: list[float | None] = ro.total_rewards().tolist()
+        if ro.scorable is not None:  # null: the sample has no reward (every reward function returned None)
+            totals = [t if ok else None for t, ok in zip(totals, ro.scorable.tolist())]
         kls = ((ro.logprobs - ro.ref_logprobs).mul(ro.response_mask).sum(1).tolist() if ro.ref_logprobs is not None
                else [None] * len(ro))
         recs = [{"step": step, "rank": rank, "index": i, "group": ro.group[k], "prompt": p, "output": o,
                  "reward": totals[k], "advantage": advantages[k], "kl": kls[k]}
                 for k, (i, p, o) in enumerate(zip(ro.global_index, ro.prompts, ro.outputs))]
+        if ro.episodes:
+            recs = episode_records(recs, ro.episodes)
         gathered = dist.gather_objects(recs, dst=0)
         if self.writer and gathered:
             self.writer.log_rollouts([r for part in gathered for r in part])

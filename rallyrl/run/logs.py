@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import trackers
 from ..config import Config, flat_config
@@ -28,7 +28,6 @@ from ..errors import writing
 
 if TYPE_CHECKING:
     from ..trackers import Tracker
-    from .rundir import RunDir
 
 __all__ = ["JsonlError", "MetricsFile", "RunWriter", "append_jsonl", "clean", "has_iteration", "iter_jsonl",
            "jsonl_line", "last_step", "read_jsonl", "truncate_jsonl"]
@@ -110,12 +109,36 @@ def last_step(metrics: Path) -> int:
 def clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None  # strict JSON has no NaN/inf: a non-finite value is written as null
+    if isinstance(v, dict):  # an episode's transcript (a tool's arguments may hold anything JSON parses)
+        return {k: clean(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [clean(x) for x in v]
     return v
 
 
 # Line breaks that json.dumps(ensure_ascii=False) leaves raw inside strings, but str.splitlines() (and
 # so most readers) splits on: sampled text can contain them.
 _RAW_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def episode_records(rows: list[dict[str, Any]], transcripts: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Multi-turn episodes: one record per EPISODE from its rows' records (several after a fork): the
+    episode's reward (summed over its rows), its first row's advantage, its KL (summed), and its
+    transcript under ``episode`` (each turn's text, token counts, tool calls with results, the
+    environment's messages and reward; ``truncated``, ``forks``)."""
+    out: list[dict[str, Any]] = []
+    for rec, t in zip(rows, transcripts):
+        if out and out[-1]["index"] == rec["index"] and "episode" not in out[-1]:  # a later row of the same episode
+            prev = out[-1]
+            prev["reward"] += rec["reward"]
+            prev["kl"] = None if prev["kl"] is None else prev["kl"] + rec["kl"]
+        else:
+            out.append(dict(rec))
+        if t is not None:  # the episode's last row carries its transcript
+            out[-1]["episode"] = {
+                "turns": [{k: v for k, v in turn.items() if k != "token_ids"} for turn in t["turns"]],
+                "truncated": t["truncated"], "forks": t["forks"]}
+    return out
 
 
 def jsonl_line(obj: Any, strict: bool = False) -> str:
@@ -167,11 +190,20 @@ class MetricsFile:
         self._f.close()
 
 
+class Claims(Protocol):
+    """What the writer needs of the run directory (``run.rundir.RunDir``): its path, and ``claim`` (a
+    file or folder recorded in the manifest as rallyrl's own before it is written)."""
+
+    path: Path
+
+    def claim(self, rel: str, is_dir: bool = False) -> Path: ...
+
+
 class RunWriter:
     """The main rank's log files and trackers. Every write of rallyrl's own files goes through
     ``errors.writing``: a full disk or a permission problem is one line naming the file, not a traceback."""
 
-    def __init__(self, run_dir: "RunDir", cfg: Config, resuming: bool = False) -> None:
+    def __init__(self, run_dir: Claims, cfg: Config, resuming: bool = False) -> None:
         self.run_dir = run_dir
         self._rollouts = open(run_dir.claim("rollouts.jsonl"), "a", encoding="utf-8")
         state = trackers.TrackerState(run_dir.path / trackers.STATE_FILE, resuming, run_dir.claim)

@@ -15,19 +15,16 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from .. import dist, trackers
-from ..config import CheckpointConfig, Change, Config, TrainConfig, config_changes, format_changes
+from ..config import Change, Config, TrainConfig, config_changes, format_changes
 from ..errors import CheckpointError, TrackerError, writing
 from . import logs, resume
 from .lock import RunDirError, lock_run_dir
 from .logs import RunWriter
-
-if TYPE_CHECKING:
-    from .console import TrainResult
 
 __all__ = ["MANIFEST", "OUTPUTS", "RunDir"]
 
@@ -291,17 +288,3 @@ class RunDir:
                 if (self.path / name).is_file():
                     logs.truncate_jsonl(self.path / name, last_step)
         dist.barrier()
-
-    # --- checkpoints and final/ (collective; run.stage) ------------------------------------------
-    def checkpoint(self, step: int, policy: Any, learner: Any, state: Any, ckpt: CheckpointConfig,
-                   stopping: bool = False) -> None:
-        """Stage 7 (collective): ``run.stage.checkpoint_stage``."""
-        from .stage import checkpoint_stage
-
-        checkpoint_stage(self, step, policy, learner, state, ckpt, stopping)
-
-    def save_final(self, policy: Any, tokenizer: Any, result: "TrainResult | None" = None) -> None:
-        """``final/`` (collective): ``run.stage.save_final``."""
-        from .stage import save_final
-
-        save_final(self, policy, tokenizer, result)

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from .. import dist
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, Preempted, requested_stop, writing
+from .result import TrainResult
 
 if TYPE_CHECKING:
-    from .console import TrainResult
     from .rundir import RunDir
 
 __all__ = ["checkpoint_stage", "save_checkpoint", "save_final"]
@@ -92,7 +92,6 @@ def save_final(run_dir: "RunDir", policy: Any, tokenizer: Any, result: "TrainRes
 
 def _write_card(run_dir: "RunDir", out: Path, result: "TrainResult | None") -> None:
     from .card import model_card
-    from .console import TrainResult
 
     r = result or TrainResult(run_dir.path)
     assert run_dir.cfg is not None

@@ -5,7 +5,6 @@ each, rendezvous on 127.0.0.1. They train one job of world size 2 whose result e
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from safetensors.torch import load_file
@@ -72,10 +71,8 @@ def test_dead_worker_on_one_node_ends_the_other(tiny_model, tmp_path):
     cfg = base_config(tiny_model, tmp_path / "run", train={"iterations": 1}, rollout={"num_rollouts": 4},
                       reward={"fn": "tests.helpers.rewards:hashed_with_crashes", "placement": "local"},
                       dist={"timeout_s": 30})
-    t0 = time.monotonic()
     (code0, _, err0), (code1, _, err1) = _two_nodes(write_config(tmp_path / "c.yaml", cfg), _free_port(),
                                                     RALLYRL_TEST_KILL_RANK="1")
-    elapsed = time.monotonic() - t0
     # node 1's launcher names its worker, killed by a signal nobody sent it
     assert code1 == 128 + 9, err1[-2000:]
     assert "rank 1 was killed by SIGKILL" in err1
@@ -83,7 +80,9 @@ def test_dead_worker_on_one_node_ends_the_other(tiny_model, tmp_path):
     assert code0 != 0, err0[-2000:]
     assert err0.strip().splitlines()[-1].startswith("rallyrl: "), err0[-2000:]
     assert "rank 0" in err0.strip().splitlines()[-1], err0[-2000:]
-    assert elapsed < 60, elapsed
+    # ... by the lost connection, not by waiting out dist.timeout_s (a wall-clock bound would read the
+    # machine's load, not the behaviour: under load 9 of 2 cores the two launchers alone take a minute)
+    assert "(dist.timeout_s)" not in err0 and "CollectiveTimeoutError" not in err0, err0[-2000:]
 
 
 def test_torchrun_two_nodes(tiny_model, tmp_path):

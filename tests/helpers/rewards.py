@@ -305,3 +305,40 @@ def _arm(where: str, step: int) -> None:
         ckpt._save_split = save_split
     else:
         raise ValueError(f"RALLYRL_TEST_SIGNAL: unknown point {where!r}")
+
+
+def _text(x) -> str:
+    """A TRL prompt or completion as text: a string, or the content of the last message of a list."""
+    return x if isinstance(x, str) else x[-1]["content"]
+
+
+def trl_unscorable(prompts, completions, completion_ids, answer, **kwargs):
+    """A reward function written for TRL (keywords, a data column by name): None (unscorable) for a row
+    without an answer and for about a quarter of the others (decided by the prompt and the completion,
+    so the same wherever it runs), else `deterministic_score`."""
+    _log_call(completions, kwargs)
+    assert len(prompts) == len(completions) == len(completion_ids) == len(answer)
+    out = []
+    for p, c, a in zip(prompts, completions, answer):
+        s = deterministic_score(_text(p), _text(c))
+        out.append(None if a is None or s < 0.25 else s)
+    return out
+def hashed_pass_fail(samples, prompts, outputs, **kwargs):
+    """A verifiable-looking 0/1 reward: 1 for about a quarter of (prompt, output) pairs (`hashed` < 0.25).
+    Groups of 4 then often score all 0 (about 1 in 3): what DAPO's dynamic sampling discards."""
+    return [float(s < 0.25) for s in hashed(samples, prompts, outputs, **kwargs)]
+
+
+def pass_fail_noisy(samples, prompts, outputs, **kwargs):
+    """`hashed_pass_fail`'s scores, moving every global RNG stream as `hashed_noisy` does."""
+    return [float(s < 0.25) for s in hashed_noisy(samples, prompts, outputs, **kwargs)]
+
+
+def pass_fail_sharded(samples, prompts, outputs, **kwargs):
+    """`hashed_pass_fail`'s scores, computed over the ranks with a real collective (`hashed_sharded`)."""
+    return [float(s < 0.25) for s in hashed_sharded(samples, prompts, outputs, **kwargs)]
+
+
+def pass_fail_with_crashes(samples, prompts, outputs, **kwargs):
+    """`hashed_pass_fail`'s scores with `hashed_with_crashes`' fault injection (pause, kill, hang)."""
+    return [float(s < 0.25) for s in hashed_with_crashes(samples, prompts, outputs, **kwargs)]

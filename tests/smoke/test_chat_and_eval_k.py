@@ -1,7 +1,6 @@
 """A real run on a tiny GPT-2 whose tokenizer has a chat template: conversational training and eval
 prompts, and evaluation with k = 3 samples per prompt (eval/<name>@3, eval/<name>_pass@3)."""
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,25 +14,12 @@ from tests.helpers.runs import base_config
 
 pytestmark = pytest.mark.smoke
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 WORDS = ["the cat", "a dog", "good morning", "i like", "the sun", "we walk", "birds sing", "my friend"]
 
 
 def render(messages):
     return "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
 
-
-@pytest.fixture(scope="module")
-def chat_model(tiny_model, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("chat") / "gpt2"
-    shutil.copytree(tiny_model, out)
-    tok = AutoTokenizer.from_pretrained(out)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -155,3 +155,13 @@ def test_cli_plot_default_out_and_error_exit_code(tmp_path, capsys):
     assert (out_dir / "time.png").is_file()
     assert cli_main(["plot", str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_multi_turn_runs_get_an_episodes_figure(tmp_path):
+    episodes = {"episode/turns": 2.0, "episode/tool_calls": 1.0, "episode/tool_errors": 0.25,
+                "episode/truncated": 0.0, "episode/env_token_fraction": 0.1}
+    multi = write_run(tmp_path / "multi", rows_with([0.1, 0.2], **episodes))
+    single = write_run(tmp_path / "single", rows_with([0.1, 0.2]))
+    written = {p.name: p for p in plot_runs([multi, single], tmp_path / "out")}
+    assert "episodes.png" in written and written["episodes.png"].read_bytes()[:8] == PNG_MAGIC
+    assert "episodes.png" not in {p.name for p in plot_runs([single], tmp_path / "out2")}

@@ -54,8 +54,11 @@ def test_numbers_only():
         check([0, 0, "0.5", 0, 0, 0, 0])
     with pytest.raises(RewardValidationError, match=r"sample 1: expected a number, got bool True"):
         check([0, True, 0, 0, 0, 0, 0])
-    with pytest.raises(RewardValidationError, match=r"sample 0: expected a number, got NoneType None"):
-        check([None] * 7)
+    # None is a whole sample's "unscorable" (TRL's convention): kept as None, never one token's value
+    assert check([None, 1, None, 0, 0, 0, 0]) == [None, 1.0, None, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(RewardValidationError, match=r"sample 3 token 1: expected a number, got None \(None means "
+                                                    r"unscorable and stands for a whole sample's reward"):
+        check([0, 0, 0, [1.0, None], 0, 0, 0])
     with pytest.raises(RewardValidationError, match=r"sample 4: expected a number, got a tensor of shape \(2, 2\)"):
         check([0, 0, 0, 0, torch.zeros(2, 2), 0, 0])
     with pytest.raises(RewardValidationError, match=r"sample 0 token 1: expected a number, got str 'x'"):

@@ -32,6 +32,7 @@ CONTEXT: dict[str, dict[str, Any]] = {
     "eval.samples_per_prompt": {"eval": {"do_sample": True}},
     "ppo.estimator": {"rollout": {"samples_per_prompt": 2}},
     "ppo.drop_zero_std_groups": {"ppo": {"estimator": "grpo"}, "rollout": {"samples_per_prompt": 2}},
+    "rollout.dynamic_sampling": {"ppo": {"estimator": "grpo"}, "rollout": {"samples_per_prompt": 2}},
     "reward.overlap": {"reward": {"url": "http://localhost:8000"}},
     "ppo.engine_correction": {"generation": {"engine": "vllm"}},  # corrects for a separate engine only
     "reward.server": {"reward": {"fn": "a:b"}},
