@@ -432,6 +432,9 @@ def run_system(system: str, row: str, model_dir: Path, out_dir: Path, iterations
 def run_row(row: str, iterations: int, repeats: int, out_dir: Path, quick: bool = False) -> dict[str, Any]:
     from benchmarks.ppo_vs_trl import WARMUP, check_runs_did_the_same_work, interleaved, mean_profile, summarise_row
 
+    if row in ENGINE_ROWS and not VLLM_PYTHON.exists():
+        # before TRL's side runs for nothing; the other rows still run (run_rows reports this one's error)
+        raise BenchError(f"no {VLLM_PYTHON.parent.parent.name}: run `make install-vllm` (make bench does)")
     model = model_for(row)
     s = settings(row, quick)
     d = out_dir / row

@@ -11,9 +11,14 @@ both trees in the same environment and compares, run by run:
 - ``rollouts.jsonl`` (every sample, its reward and advantage), exactly.
 
 The runs: PPO (GAE, value head, adaptive KL, eval) on 2 processes; GRPO (G 4, KL in the loss, k3,
-``logprobs_from: generate``) on 2 processes with the reward on rank 0; T5 PPO on 1 process; PPO under
-``model.sharding: fsdp`` on 2 processes; and a resumed run (3 iterations, the last one lost after the
+``logprobs_from: generate``) on 2 processes with the reward on rank 0; T5 PPO on 1 process; RLOO (G 2)
+under ``model.sharding: fsdp`` on 2 processes; and a resumed run (3 iterations, the last one lost after the
 step-2 checkpoint and redone from it), which must also equal its own uninterrupted run.
+
+Options that change the last bits on purpose are pinned off where they would (``PINNED``): the critic-free
+runs (grpo, fsdp) and t5 (a prompt drawn twice in one batch) run with ``model.prefill_once: false`` on
+every side that has the option, since its forward of a repeated prompt once gives the same numbers within
+float rounding, not the same bits (docs/scaling.md, CHANGELOG); the other runs keep every default.
 
     python benchmarks/identity.py                  # before = BASE below, after = this working tree
     python benchmarks/identity.py --before HEAD~3 --runs ppo,grpo --keep /tmp/identity
@@ -74,6 +79,18 @@ RUNS: dict[str, tuple[int, str, dict[str, dict[str, Any]]]] = {
     "resume": (2, "gpt2", {"train": {"iterations": 3}, "checkpoint": {"interval": 1, "keep_last": 3}}),
 }
 VOLATILE = ("time/", "memory/")
+# Options that change the last bits of some runs on purpose (same results within float rounding, not bit
+# for bit), pinned off in those runs on every side whose tree has them (the before tree predates them):
+# - model.prefill_once (issue 29, default on): a prompt repeated in a batch runs once in the scoring and
+#   training forwards. The critic-free runs repeat every prompt G times (grpo: the reference pass and the
+#   update; fsdp: the policy runs its two passes on every batch there), and t5's second iteration draws a
+#   prompt twice (7 rollouts per iteration from 10 prompts: the next pass over the data begins inside its
+#   batch), so its update encodes that prompt once; the other runs stay identical with it on.
+PINNED: dict[str, dict[str, dict[str, Any]]] = {
+    "grpo": {"model": {"prefill_once": False}},
+    "fsdp": {"model": {"prefill_once": False}},
+    "t5": {"model": {"prefill_once": False}},
+}
 # Metrics added after BASE, left out of the comparison only while they hold the one value these runs can
 # give (no reward function here returns None: reward/unscorable is 0); any other value is a difference.
 ADDED = {"reward/unscorable": 0.0}
@@ -118,6 +135,7 @@ def make_run(src: Path, name: str, models: dict[str, Path], out: Path) -> Path:
     nproc, model, sections = RUNS[name]
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / name
+    sections = _pinned(src, name, sections)
     cfg = _config(models[model], run_dir, sections)
     _train(src, cfg, out / f"{name}.yaml", nproc)
     if name == "resume":  # as a run killed after its step-2 checkpoint leaves it, then resumed
@@ -129,6 +147,19 @@ def make_run(src: Path, name: str, models: dict[str, Path], out: Path) -> Path:
         _train(src, _config(models[model], cut, sections), out / f"{name}-cut.yaml", nproc,
                "--set", "train.resume=latest")
     return run_dir
+
+
+def _pinned(src: Path, name: str, sections: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``sections`` plus the ``PINNED`` settings of run ``name`` that the tree ``src`` knows (asked of its
+    own config dataclasses: a key it does not have would be refused by its strict loader)."""
+    out = {k: dict(v) for k, v in sections.items()}
+    for section, values in PINNED.get(name, {}).items():
+        for key, value in values.items():
+            probe = ("import sys; from rallyrl.config import Config; "
+                     f"sys.exit(0 if hasattr(Config.__dataclass_fields__[{section!r}].default_factory(), {key!r}) else 1)")
+            if subprocess.run([sys.executable, "-c", probe], cwd=src, env=_env(src), capture_output=True).returncode == 0:
+                out.setdefault(section, {})[key] = value
+    return out
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:

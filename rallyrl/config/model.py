@@ -85,6 +85,18 @@ class ModelConfig:
         "activations instead of all of them, for one more block forward per micro-batch. The same gradients "
         "(tested); generation and scoring (no gradients) are not affected. See docs/scaling.md.",
     )
+    prefill_once: bool = _f(
+        True,
+        "Run each distinct prompt of a batch once in the forward passes over rollouts (the scoring pass's "
+        "old log-probs, values and reference log-probs, and every training micro-batch): a causal LM runs the "
+        "prompt into a KV cache that its copies' responses read (gradients flow back through it), a seq2seq "
+        "LM encodes it once. The G members of a group (`rollout.samples_per_prompt`) share a prompt, so this "
+        "saves (G - 1) / G of the prompt work where a batch holds a whole group. The same log-probs, losses and "
+        "gradients within float rounding, so the last bits of runs with repeated prompts change (set false for "
+        "the earlier bits). Batches without a repeated prompt, one-token prompts, the `shared` reference and "
+        "models whose cache is not plain full attention run the full forward. Generation has its own "
+        "`generation.prefill_once` (the HF engine; vLLM caches prefixes itself). See docs/scaling.md.",
+    )
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"doc": "`model.reference: lora` settings (below)."})
 
 

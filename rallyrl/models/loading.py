@@ -139,22 +139,25 @@ def load_models(cfg: ModelConfig, seed: int, tokenizer: Any = None, value_head: 
     policy: CausalPolicy | Seq2SeqPolicy
     head = cfg.value_head if value_head else None
     if cfg.arch == "seq2seq":
-        ref = Seq2SeqCopyReference(lm) if reference else None
+        ref = Seq2SeqCopyReference(lm, cfg.prefill_once) if reference else None
         _checkpointing(lm, cfg)
-        policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, head).eval()
+        policy = Seq2SeqPolicy(lm, cfg.value_head_std, seed, head, cfg.prefill_once).eval()
         return _loaded(policy, ref, tok, weights, note)
     save = None
+    fixed = cfg.sharding == "fsdp"  # each block's forward in training is a collective: every rank, the same passes
     if cfg.reference == "shared":
         # What trains is the same with or without a reference: the top blocks over a frozen trunk.
         ref = setup_shared(lm, cfg.num_layers_unfrozen, reference)  # freezes the policy below its top blocks
     elif cfg.reference == "lora":
-        lm, ref = setup_lora(lm, cfg.lora)  # only the adapter trains
+        lm, ref = setup_lora(lm, cfg.lora, cfg.prefill_once, fixed)  # only the adapter trains
         ref = ref if reference else None
         save = functools.partial(save_lora, merge=cfg.lora.merge_on_save)
     else:
-        ref = CopyReference(lm) if reference else None
+        ref = CopyReference(lm, cfg.prefill_once, fixed) if reference else None
     _checkpointing(lm, cfg)  # after the references copied what they need
-    policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save).eval()
+    policy = CausalPolicy(lm, cfg.value_head_std, seed, head, save=save, prefill_once=cfg.prefill_once,
+                          fixed_passes=fixed,
+                          full_when_scoring=cfg.reference == "shared" and ref is not None).eval()
     return _loaded(policy, ref, tok, weights, note)
 
 

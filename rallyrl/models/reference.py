@@ -30,7 +30,8 @@ from torch.nn import functional as F
 from .. import ops
 from ..config import ConfigError, LoraConfig
 from .base import frozen_copy
-from .causal import causal_forward
+from .causal import causal_forward, response_outputs
+from .prefix import causal_prefix_supported
 
 # model_type -> (path of the block list, path of the final norm). Others with the same layout
 # (Mistral, Qwen2...) may differ in details (logit soft-capping, scaled heads), so they are refused
@@ -67,6 +68,12 @@ class SharedReference(nn.Module):
     block's inputs (hidden state and the kwargs the model computed: causal mask, rotary position
     embeddings, position ids) and stops the forward there, so the trunk runs once and the trainable
     blocks not at all. The captured inputs then go through the frozen copies.
+
+    It always runs the full ``[query | response]`` forward, ignoring ``model.prefill_once``: a prompt run
+    once would leave the captured inputs as a response pass over a KV cache that the frozen copies do not
+    have (they would need the prefix pass's cache of their own blocks too). The policy shares in training;
+    its scoring pass runs the full forward as this does (``CausalPolicy.full_when_scoring``), so the two
+    agree bit for bit before the first update.
 
     Under ``model.sharding: fsdp`` the trunk is the policy's sharded LM: ``reads_policy`` tells the
     rollout to gather the policy together with this reference for ``logprobs``; this module's own frozen
@@ -162,21 +169,27 @@ class LoraReference(nn.Module):
 
     reads_policy = True  # logprobs runs the policy's own LM (adapter off)
 
-    def __init__(self, peft_lm: nn.Module) -> None:
+    def __init__(self, peft_lm: nn.Module, prefill_once: bool = True, fixed_passes: bool = False) -> None:
         super().__init__()
         self._lm = [peft_lm]  # not a submodule: the weights are the policy's
+        # as the policy (causal.py), passes included: the same path gives the policy's bits at the start
+        self.prefill_once = prefill_once and causal_prefix_supported(peft_lm)
+        self.fixed_passes = fixed_passes
 
     @torch.no_grad()
     def logprobs(self, query: torch.Tensor, query_mask: torch.Tensor, response: torch.Tensor,
                  response_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-        lm, T = self._lm[0], response.shape[1]
+        lm = self._lm[0]
         with lm.disable_adapter():
-            logits = causal_forward(lm, query, query_mask, response, response_mask, hidden_states=False).logits
-        return ops.logprobs_from_logits(logits[:, -(T + 1) : -1].float() / temperature, response)  # (B, T)
+            logits, _ = response_outputs(lm, query, query_mask, response, response_mask, False, self.prefill_once,
+                                         self.fixed_passes)
+        return ops.logprobs_from_logits(logits.float() / temperature, response)  # (B, T)
 
 
-def setup_lora(lm: nn.Module, cfg: LoraConfig) -> tuple[nn.Module, LoraReference]:
-    """Wrap ``lm`` in a PEFT LoRA model (only the adapter trains); returns it and its reference."""
+def setup_lora(lm: nn.Module, cfg: LoraConfig, prefill_once: bool = True,
+               fixed_passes: bool = False) -> tuple[nn.Module, LoraReference]:
+    """Wrap ``lm`` in a PEFT LoRA model (only the adapter trains); returns it and its reference
+    (``prefill_once``: ``model.prefill_once``; ``fixed_passes``: as the policy's, causal.py)."""
     try:
         import peft
     except ImportError:
@@ -189,7 +202,7 @@ def setup_lora(lm: nn.Module, cfg: LoraConfig) -> tuple[nn.Module, LoraReference
     except ValueError as e:  # e.g. target modules not found in the model
         raise ConfigError(f"model.lora.target_modules: {e}") from None
     peft_lm.eval()
-    return peft_lm, LoraReference(peft_lm)
+    return peft_lm, LoraReference(peft_lm, prefill_once, fixed_passes)
 
 
 def save_lora(peft_lm: nn.Module, out: Path, merge: bool, state_dict: dict[str, torch.Tensor] | None = None) -> None:
