@@ -17,16 +17,16 @@ without paying for torch until a collective runs.
 from .accelerator import (backward, clip_grad_norm, full_state_dict, gathered, init_accelerator, is_sharded,
                           no_sync, prepare, shard)
 from .collectives import (agree, all_gather_objects, all_reduce_sum, any_stop, barrier, broadcast_object,
-                          collective_device, exchange_objects, expected_rank, expected_world_size, gather_objects,
-                          is_distributed, is_main, local_world_size, rank, raise_failures, reduce_max, reduce_stats,
-                          scatter_objects,
+                          collective_device, colocated_engine_options, exchange_objects, expected_rank,
+                          expected_world_size, gather_objects, is_distributed, is_main, keep_group_from,
+                          local_world_size, rank, raise_failures, reduce_max, reduce_stats, scatter_objects,
                           set_timeout, shutdown, stage, timeout_error, world_size)
 from .sharding import load_sharded, local_nbytes, save_sharded
 
 __all__ = ["agree", "all_gather_objects", "all_reduce_sum", "any_stop", "backward", "barrier", "broadcast_object",
-           "clip_grad_norm", "collective_device", "exchange_objects", "expected_rank", "expected_world_size",
+           "clip_grad_norm", "collective_device", "colocated_engine_options", "exchange_objects", "expected_rank", "expected_world_size",
            "full_state_dict",
-           "gather_objects", "gathered", "init_accelerator", "is_distributed", "is_main", "is_sharded",
+           "gather_objects", "gathered", "init_accelerator", "is_distributed", "is_main", "is_sharded", "keep_group_from",
            "load_sharded", "local_nbytes", "local_world_size", "no_sync", "prepare", "raise_failures", "rank",
            "reduce_max", "reduce_stats", "save_sharded", "scatter_objects", "set_timeout", "shard", "shutdown", "stage",
            "timeout_error", "world_size"]

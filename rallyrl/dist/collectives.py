@@ -100,6 +100,19 @@ def world_size() -> int:
     return tdist.get_world_size() if is_distributed() else 1
 
 
+def colocated_engine_options() -> dict[str, str]:
+    """Options for an in-process generation engine (vLLM) on every rank of a multi-process GPU run: it
+    joins this module's process group ("external_launcher": each rank its own engine, as TRL's colocate
+    mode) instead of starting its own. Here, because the group and its lifetime are this module's."""
+    return {"distributed_executor_backend": "external_launcher"} if world_size() > 1 else {}
+
+
+def keep_group_from(engine_core: Any) -> None:
+    """An in-process engine would tear down the default process group when it is collected (its shutdown
+    assumes the group is its own); the group stays this module's, ended by ``shutdown()``."""
+    engine_core._finalizer.detach()
+
+
 def rank() -> int:
     return tdist.get_rank() if is_distributed() else 0
 

@@ -203,17 +203,14 @@ def _build_llm(policy: Any, model_path: str, v: Any, dtype: str, logprobs_mode: 
         kw["kv_cache_memory_bytes"] = int((v.kv_cache_gib or 1.0) * 2**30)
     else:
         kw["gpu_memory_utilization"] = v.memory_fraction or 0.3
-        if dist.world_size() > 1:  # ranks share torch.distributed's world: each its own engine (TRL colocate)
-            kw["distributed_executor_backend"] = "external_launcher"
+        kw |= dist.colocated_engine_options()  # each rank its own engine, in rallyrl's process group
     threads = torch.get_num_threads()
     try:
         with isolated_rng():  # vLLM seeds the global RNGs; the training streams must not move
             llm = vllm.LLM(**kw)
     finally:
         torch.set_num_threads(threads)
-    # In-process, vLLM's engine would tear down torch.distributed's default group when collected (its
-    # shutdown assumes the group is its own); here the group is rallyrl's, left by dist.shutdown().
-    llm.llm_engine.engine_core._finalizer.detach()
+    dist.keep_group_from(llm.llm_engine.engine_core)  # the process group stays rallyrl's
     return llm
 
 
