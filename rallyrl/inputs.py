@@ -38,6 +38,29 @@ class Inputs:
     max_positions: int | None = None  # the model's positions (the default budget of a multi-turn episode)
 
 
+def _check_overlap(cfg: Config, reward_fns: list[Any]) -> None:
+    """``reward.overlap`` scores beside generation: only remote reward functions may run there."""
+    if cfg.reward.overlap and cfg.reward.server != "local":
+        from .reward.client import RemoteReward
+
+        in_process = [nf.name for nf in reward_fns if not isinstance(nf.fn, RemoteReward)]
+        if in_process:
+            raise ConfigError(f"reward.overlap needs remote reward functions (reward.url, reward.server: local or a "
+                              f"RemoteReward); {in_process} would run in this process, beside generation, where "
+                              f"they could move the training RNG streams")
+
+
+def _check_columns(cfg: Config, reward_fns: list[Any], metric_fn: MetricFn | None,
+                   sets: list[tuple[str, list[str], bool]]) -> None:
+    """The reward and metric functions against the data's columns ``sets`` (train, then eval)."""
+    # The functions against the data's columns: a collision or a missing argument fails now, not at the
+    # first reward call after the models have loaded.
+    check_run(reward_fns, sets, metric_fn, sets[1] if len(sets) > 1 else None)
+    if cfg.reward.server == "local":  # the HTTP client between the run and the server is a trlx function
+        for where, columns, chat in sets:
+            check_columns(None, "remote (reward.server: local)", "trlx", columns, where, chat)
+
+
 def prepare_inputs(
     cfg: Config,
     world_size: int,
@@ -65,25 +88,13 @@ def prepare_inputs(
     eval_table = (open_prompts(_listed(eval_src), eval_what, d.prompt_column, d.eval_split, d.subset)
                   if eval_src is not None else None)
     reward_fns = resolve_reward_fns(cfg.reward, reward_fn)
-    if cfg.reward.overlap and cfg.reward.server != "local":
-        from .reward.client import RemoteReward
-
-        in_process = [nf.name for nf in reward_fns if not isinstance(nf.fn, RemoteReward)]
-        if in_process:
-            raise ConfigError(f"reward.overlap needs remote reward functions (reward.url, reward.server: local or a "
-                              f"RemoteReward); {in_process} would run in this process, beside generation, where "
-                              f"they could move the training RNG streams")
+    _check_overlap(cfg, reward_fns)
     if metric_fn is None and cfg.eval.metric_fn:
         metric_fn = load_callable(cfg.eval.metric_fn, "eval.metric_fn")
-    # The functions against the data's columns: a collision or a missing argument fails now, not at the
-    # first reward call after the models have loaded.
     sets = [(train_what, table.columns(), table.chat)]
     if eval_table is not None:
         sets.append((eval_what, eval_table.columns(), eval_table.chat))
-    check_run(reward_fns, sets, metric_fn, sets[1] if eval_table is not None else None)
-    if cfg.reward.server == "local":  # the HTTP client between the run and the server is a trlx function
-        for where, columns, chat in sets:
-            check_columns(None, "remote (reward.server: local)", "trlx", columns, where, chat)
+    _check_columns(cfg, reward_fns, metric_fn, sets)
     if cfg.model.prepare:
         prepare_model_folder(cfg.model.prepare, cfg.model.path)
     check_model_folder(cfg.model)

@@ -69,6 +69,8 @@ def train(config: Config | dict | str | Path | None = None, reward_fn: Callable 
     ``eval_prompts`` take what ``data.prompts`` takes or a ``datasets.Dataset`` / ``DatasetDict``;
     docs/data.md, docs/tracking.md. ``env`` (overrides ``env.factory``): the environment of multi-turn
     episodes, a class or a function that returns a fresh environment per episode (docs/environments.md)."""
+    # One function on purpose (~65 lines): the loop's stages read top to bottom as a recipe, each a call;
+    # splitting the loop body would hide the order of the stages, which is what a reader comes here for.
     cfg = load_config(config, list(overrides or []))
     inp = prepare_inputs(cfg, dist.expected_world_size(), reward_fn, metric_fn, prompts, eval_prompts, env)
     evals = set(eval_steps(cfg)) if len(inp.eval_set) else set()

@@ -51,6 +51,29 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
     seq_score = scores.double() + (dense.sum(1).double() if dense is not None else 0.0)  # (B,)
     if kl_tok is not None and beta:
         seq_score = seq_score - beta * kl_tok.sum(1).double()  # TRL RLOO / OpenRLHF: KL in the reward
+    index, groups, all_scores, filler, scorable = _global_batch(ro, seq_score)  # (N,) each, every rank
+    adv_all, zero_all, group_std = _group_advantages(all_scores, groups, filler, scorable, ppo)
+    # (B,) mine: each row's episode (the rows of a forked episode share its advantage)
+    pos = torch.searchsorted(index, torch.tensor(ro.global_index, dtype=index.dtype))
+    seq_adv, zero = adv_all[pos], zero_all[pos]  # (B,)
+    adv = seq_adv.to(ro.logprobs.dtype).unsqueeze(1) * m  # (B, T): the outcome's advantage on every token
+    loss_mask = m & ~zero.unsqueeze(1) if ppo.drop_zero_std_groups else m
+    if filler.any():  # (only with dynamic sampling) present and zero-std counts are over trained groups
+        groups, zero_all, adv_all = groups[~filler], zero_all[~filler], adv_all[~filler]
+    present = torch.unique(groups)
+    n_zero = int(torch.unique(groups[zero_all]).numel())
+    stats = {"reward/group_std": float(group_std[present].mean()) if len(present) else 0.0,
+             "reward/zero_std_groups": n_zero / max(1, int(present.numel())),
+             "policy/advantage_abs": float(adv_all.abs().mean()) if len(adv_all) else 0.0}
+    return Advantages(adv, None, seq_kl, _trained(loss_mask, ro, ppo), seq_adv.tolist(),
+                      stats | _truncation_stats(ro, ppo))
+
+
+def _global_batch(ro: Rollouts, seq_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor, torch.Tensor | None]:
+    """Every rank's samples in global-index order, one entry per episode (the same arrays on every rank,
+    whatever the layout): index, group, score, dynamic sampling's filler flag, and who has a reward
+    (None when every sample has one)."""
     # every rank's samples; who has a reward where some sample has none (None otherwise); dynamic
     # sampling's filler groups (they stay out of the statistics)
     mine = (ro.global_index, ro.group, seq_score.tolist(), ro.filler,
@@ -69,21 +92,7 @@ def compute_advantages(ro: Rollouts, state: TrainState, ppo: PPOConfig) -> Advan
         # (dynamic sampling is refused with environments, so no row is a filler here)
         index, groups, all_scores, scorable = _per_episode(index, groups, all_scores, scorable)
         filler = torch.zeros(len(index), dtype=torch.bool)
-    adv_all, zero_all, group_std = _group_advantages(all_scores, groups, filler, scorable, ppo)
-    # (B,) mine: each row's episode (the rows of a forked episode share its advantage)
-    pos = torch.searchsorted(index, torch.tensor(ro.global_index, dtype=index.dtype))
-    seq_adv, zero = adv_all[pos], zero_all[pos]  # (B,)
-    adv = seq_adv.to(ro.logprobs.dtype).unsqueeze(1) * m  # (B, T): the outcome's advantage on every token
-    loss_mask = m & ~zero.unsqueeze(1) if ppo.drop_zero_std_groups else m
-    if filler.any():  # (only with dynamic sampling) present and zero-std counts are over trained groups
-        groups, zero_all, adv_all = groups[~filler], zero_all[~filler], adv_all[~filler]
-    present = torch.unique(groups)
-    n_zero = int(torch.unique(groups[zero_all]).numel())
-    stats = {"reward/group_std": float(group_std[present].mean()) if len(present) else 0.0,
-             "reward/zero_std_groups": n_zero / max(1, int(present.numel())),
-             "policy/advantage_abs": float(adv_all.abs().mean()) if len(adv_all) else 0.0}
-    return Advantages(adv, None, seq_kl, _trained(loss_mask, ro, ppo), seq_adv.tolist(),
-                      stats | _truncation_stats(ro, ppo))
+    return index, groups, all_scores, filler, scorable
 
 
 def _group_advantages(scores: torch.Tensor, groups: torch.Tensor, filler: torch.Tensor,

@@ -129,6 +129,8 @@ def policy_loss(
         (``0.5 * (lp - old_lp)^2``, the k2 estimator, per token whatever the
         ratio level) and ``ratio`` (the ratio used, per token).
     """
+    # (Over 60 lines only by its docstring: the formula, its variants and each output's definition are
+    # the reference docs/algorithms.md cites; the computation is the ~25 lines below.)
     m = bool_mask(mask, logprobs)
     # Zero the inputs at padding *before* the math: masking only the output
     # would still let inf/nan padding poison the backward pass (nan * 0).
