@@ -269,14 +269,16 @@ def _evaluate(models: LoadedModels, engine: GenerationEngine, reward_step: Rewar
 def _environment(cfg: Config, inp: Inputs) -> Iterator[EnvSetup | None]:
     """Multi-turn episodes' environment settings and this process's tool runner (its event-loop thread
     stops on exit); None for single-turn episodes. Each episode's environment comes from ``inp.env``.
-    The budget of a row is ``rollout.max_episode_tokens``, never more than the model's positions; a
-    turn's steps may take at most ``dist.timeout_s`` (the time the other ranks would wait)."""
+    The budget of a row is ``rollout.max_episode_tokens``, never more than the model's positions (nor, with
+    the vLLM engine, its ``max_model_len``: it refuses a longer context); a turn's steps may take at most
+    ``dist.timeout_s`` (the time the other ranks would wait)."""
     if inp.env is None:
         yield None
         return
     e = cfg.env
-    budget = min(x for x in (cfg.rollout.max_episode_tokens, inp.max_positions) if x is not None) \
-        if (cfg.rollout.max_episode_tokens or inp.max_positions) else None
+    engine_len = cfg.generation.vllm.max_model_len if cfg.generation.engine == "vllm" else None
+    limits = [x for x in (cfg.rollout.max_episode_tokens, inp.max_positions, engine_len) if x is not None]
+    budget = min(limits) if limits else None
     runner = EnvRunner(e.tool_timeout_s, e.max_concurrent_tools, e.on_tool_error, turn_timeout_s=cfg.dist.timeout_s)
     setup = EnvSetup(inp.env, runner, e.max_turns, budget, e.turn_rewards, e.on_template_drift)
     try:

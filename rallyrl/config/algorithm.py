@@ -33,7 +33,8 @@ class RolloutConfig:
     max_episode_tokens: int | None = _f(
         None,
         "Multi-turn episodes (`env.factory`): the most tokens a training row's context may hold, prompt + every "
-        "turn + the environment's messages (null = the model's positions). A turn is cut where it would pass it; "
+        "turn + the environment's messages (null = the model's positions; never more than them, nor than "
+        "`generation.vllm.max_model_len` with the vLLM engine). A turn is cut where it would pass it; "
         "an environment reply that would not fit with room for one more token ends the episode as truncated "
         "(the reply is not shown). See docs/environments.md.",
         gt=0,
@@ -73,7 +74,8 @@ class VLLMConfig:
         gt=0,
     )
     max_model_len: int | None = _f(
-        None, "Longest prompt + response the engine accepts, in tokens. null = the model's maximum position count.",
+        None, "Longest prompt + response the engine accepts, in tokens. null = the model's maximum position count. "
+        "Also bounds a multi-turn episode's row (`rollout.max_episode_tokens`): vLLM refuses a longer context.",
         gt=0,
     )
     enforce_eager: bool | None = _f(

@@ -129,21 +129,11 @@ def _check_model(cfg: Config) -> None:
                           f"got {tm!r}")
 
 
-# Why `env.factory` (or `train(env=...)`, checked in inputs.py) needs the hf engine: the multi-turn loop
-# calls engine.generate per turn like any engine, but its training rows do not yet carry a separate
-# engine's log-probs apart from the trainer's (`engine_logprobs`: ppo.engine_correction, engine/*), and
-# multi-turn episodes have not been run on vLLM.
-ENV_ENGINE = ("multi-turn episodes (env.factory / train(env=...)) need generation.engine: hf for now: their training "
-              "rows do not carry a separate engine's log-probs (ppo.engine_correction, engine/* metrics); "
-              "set generation.engine: hf")
-
-
 def env_refusal(cfg: Config) -> str | None:
-    """Why this config cannot run multi-turn episodes, or None. Besides the engine: the options of issue 29
-    that read a sample's length or keep or drop whole rows are defined for single-turn samples (one row a
-    sample, its length the sampled response), not for episodes split over turns and forked rows."""
-    if cfg.generation.engine != "hf":
-        return ENV_ENGINE
+    """Why this config cannot run multi-turn episodes, or None: the options that read a sample's length or
+    keep or drop whole rows are defined for single-turn samples (one row a sample, its length the sampled
+    response), not for episodes split over turns and forked rows. Either engine samples the turns (token
+    ids in and out); a separate engine's log-probs are kept per row (``Rollouts.engine_logprobs``)."""
     single = [k for k, on in (("rollout.dynamic_sampling", cfg.rollout.dynamic_sampling),
                               ("reward.overlong_buffer", cfg.reward.overlong_buffer is not None),
                               ("ppo.mask_truncated", cfg.ppo.mask_truncated)) if on]

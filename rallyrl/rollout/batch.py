@@ -200,6 +200,8 @@ def _from_episode_rows(ep: "Episodes", scored: "Scored", rewards: Sequence["Rewa
     cut into the rows; per-turn environment rewards are already placed (``ep.env_dense``)."""
     B, T = ep.response_ids.shape
     k = ep.row_episode
+    # a separate engine's (vLLM) log-probs per row, 0 on environment tokens, kept beside the trainer's
+    engine_lp = ep.logprobs if ep.logprobs is not None and scored.logprobs is not ep.logprobs else None
     last = [i == B - 1 or k[i + 1] != k[i] for i in range(B)]
     segment: list[int] = []
     for i in range(B):
@@ -230,7 +232,7 @@ def _from_episode_rows(ep: "Episodes", scored: "Scored", rewards: Sequence["Rewa
         # an episode without a reward (every function returned None): each of its rows
         scorable=(None if all(rw.scorable for rw in rewards)
                   else torch.tensor([rewards[e].scorable for e in k], dtype=torch.bool)),
-        versions=[ep.version] * B,  # generation.engine: hf only (config/validate.py): no engine_logprobs
+        engine_logprobs=engine_lp, versions=[ep.version] * B,
     )
 
 

@@ -190,7 +190,7 @@ def _start(records: list[dict[str, Any]], prompt_rows: list[int], tokenizer: Any
         if setup.max_tokens is not None and len(query) >= setup.max_tokens:
             raise ValueError(f"prompt {i}: its conversation renders to {len(query)} tokens (with the environment's "
                              f"tools and reset() messages), leaving no room to answer within {setup.max_tokens} "
-                             f"tokens (rollout.max_episode_tokens, or the model's positions)")
+                             f"tokens (rollout.max_episode_tokens, the model's positions or generation.vllm.max_model_len)")
         episodes.append(_Episode(i, env, renderer, messages, [_Row(query)]))
     return episodes
 

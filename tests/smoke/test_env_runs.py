@@ -91,11 +91,11 @@ def test_an_environment_needs_a_chat_template_and_a_factory(tiny_model, tiny_cha
         rallyrl.train(_cfg(tiny_chat, tmp_path / "inst"), env=Echo())
     with pytest.raises(rallyrl.ConfigError, match="rollout.max_episode_tokens is the budget of multi-turn episodes"):
         rallyrl.train(base_config(tiny_chat, tmp_path / "single", rollout={"max_episode_tokens": 64}))
-    # train(env=...) is not in the config: the same refusal of the vllm engine, before any model loads
-    vllm = base_config(tiny_chat, tmp_path / "vllm", generation={"engine": "vllm"}, ppo={"estimator": "grpo"},
-                       rollout={"samples_per_prompt": 2, "num_rollouts": 4})
-    with pytest.raises(rallyrl.ConfigError, match=r"need generation\.engine: hf"):
-        rallyrl.train(vllm, env=Echo)
+    # train(env=...) is not in the config: the single-turn options are refused at start, before any model loads
+    dyn = base_config(tiny_chat, tmp_path / "dyn", ppo={"estimator": "grpo"},
+                      rollout={"samples_per_prompt": 2, "num_rollouts": 4, "dynamic_sampling": True})
+    with pytest.raises(rallyrl.ConfigError, match=r"rollout\.dynamic_sampling work on single-turn samples only"):
+        rallyrl.train(dyn, env=Echo)
 
 
 def test_episodes_scored_by_a_local_reward_server_with_overlap_are_the_same_run(tiny_chat, tmp_path):

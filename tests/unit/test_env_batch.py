@@ -60,6 +60,23 @@ def test_an_episodes_reward_goes_on_its_last_row_and_its_dense_part_is_cut_into_
     assert both.segment == [0, 1, 0] * 2 and both.episodes[1] is ep.transcripts[0]
 
 
+def test_a_separate_engines_log_probs_are_kept_per_row_beside_the_trainers():
+    """generation.engine: vllm samples the turns: the engine's log-probs (0 on environment tokens) travel
+    with each row as engine_logprobs, beside the trainer's own (rollout.logprobs_from: forward); with
+    logprobs_from: generate the engine's ARE the old log-probs and nothing is kept apart."""
+    ep = _forked_episodes()
+    ep.logprobs = torch.tensor([[-1.0, -2.0, 0, 0], [-0.5, 0, -0.25, 0], [-3.0, -1.5, -0.75, 0]])  # (B, T)
+    trainer = ep.logprobs + 0.01 * ep.action_mask
+    ro = Rollouts.from_chunk(ep, Scored(trainer, None, None), [Reward(1.0), Reward(2.0)], ["p", "q"], [{}, {}], [0, 1])
+    assert ro.engine_logprobs is ep.logprobs and ro.logprobs is trainer
+    assert ro.engine_logprobs[1, 1] == 0 and not ro.action_mask[1, 1]  # the environment's token: no action
+    kept = ro.select(torch.tensor([1, 2]))
+    torch.testing.assert_close(kept.engine_logprobs, ep.logprobs[1:])
+    same = Rollouts.from_chunk(ep, Scored(ep.logprobs, None, None), [Reward(1.0), Reward(2.0)], ["p", "q"], [{}, {}],
+                               [0, 1])
+    assert same.engine_logprobs is None
+
+
 def _rows(am, values, scores, dense=None, index=None, segment=None, group=None):
     n = len(am)
     am = torch.tensor(am, dtype=torch.bool)

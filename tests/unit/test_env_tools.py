@@ -211,13 +211,15 @@ def test_env_config_keys_are_checked():
         load_config({"env": {"on_template_drift": "fork"}, "model": {"sharding": "fsdp"}, "ppo": {"micro_batch_size": 2}})
 
 
-def test_multi_turn_episodes_are_refused_with_the_vllm_engine_at_load_time():
-    """The vLLM engine's log-probs are kept beside the trainer's per single-turn row only: env.factory with
-    generation.engine: vllm is refused when the config loads (no model, no vLLM needed); hf loads."""
+def test_multi_turn_episodes_load_with_either_engine_and_refuse_single_turn_options():
+    """env.factory loads with generation.engine hf and vllm (the turns are engine calls, token ids in and
+    out); the options defined for single-turn samples are still refused when the config loads."""
     from rallyrl.config import ConfigError, load_config
 
     env = {"factory": "rallyrl.rollout.env:ToolEnv", "kwargs": {"tools": []}}
-    with pytest.raises(ConfigError, match=r"multi-turn episodes .* need generation\.engine: hf"):
-        load_config({"env": env, "generation": {"engine": "vllm"}, "ppo": {"estimator": "grpo"},
-                     "rollout": {"samples_per_prompt": 2, "num_rollouts": 4}})
+    grpo = {"ppo": {"estimator": "grpo"}, "rollout": {"samples_per_prompt": 2, "num_rollouts": 4}}
     assert load_config({"env": env}).generation.engine == "hf"
+    assert load_config({"env": env, "generation": {"engine": "vllm"}, **grpo}).generation.engine == "vllm"
+    with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling work on single-turn samples only"):
+        load_config({"env": env, "generation": {"engine": "vllm"}, "ppo": {"estimator": "grpo"},
+                     "rollout": {"samples_per_prompt": 2, "num_rollouts": 4, "dynamic_sampling": True}})
