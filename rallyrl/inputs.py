@@ -22,6 +22,7 @@ from .models import ModelLoadError, check_model_folder, load_tokenizer, max_posi
 from .reward.loading import load_callable, resolve_reward_fns
 from .reward.signature import check_columns, check_run
 from .reward.step import NamedRewardFn
+from .rollout.episode import TRANSCRIPT_KWARGS
 
 MetricFn = Callable[..., dict[str, Sequence[float]]]
 
@@ -51,8 +52,18 @@ def _check_overlap(cfg: Config, reward_fns: list[Any]) -> None:
 
 
 def _check_columns(cfg: Config, reward_fns: list[Any], metric_fn: MetricFn | None,
-                   sets: list[tuple[str, list[str], bool]]) -> None:
-    """The reward and metric functions against the data's columns ``sets`` (train, then eval)."""
+                   sets: list[tuple[str, list[str], bool]], episodes: bool = False) -> None:
+    """The reward and metric functions against the data's columns ``sets`` (train, then eval). With
+    multi-turn ``episodes`` the functions also get the transcript (``TRANSCRIPT_KWARGS``: ``turn_texts``,
+    ``messages``, ...) as keyword arguments, so those fill parameters like columns, and a column of the
+    same name is refused."""
+    if episodes:
+        for where, columns, _ in sets:
+            if clash := [c for c in columns if c in TRANSCRIPT_KWARGS]:
+                raise ConfigError(f"{where}: data column {clash[0]!r} has the name of an argument multi-turn "
+                                  f"episodes give the reward function for the transcript "
+                                  f"({', '.join(TRANSCRIPT_KWARGS)}); rename the column")
+        sets = [(where, columns + list(TRANSCRIPT_KWARGS), chat) for where, columns, chat in sets]
     # The functions against the data's columns: a collision or a missing argument fails now, not at the
     # first reward call after the models have loaded.
     check_run(reward_fns, sets, metric_fn, sets[1] if len(sets) > 1 else None)
@@ -94,7 +105,7 @@ def prepare_inputs(
     sets = [(train_what, table.columns(), table.chat)]
     if eval_table is not None:
         sets.append((eval_what, eval_table.columns(), eval_table.chat))
-    _check_columns(cfg, reward_fns, metric_fn, sets)
+    _check_columns(cfg, reward_fns, metric_fn, sets, episodes=env is not None or cfg.env.factory is not None)
     if cfg.model.prepare:
         prepare_model_folder(cfg.model.prepare, cfg.model.path)
     check_model_folder(cfg.model)

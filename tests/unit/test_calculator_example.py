@@ -63,3 +63,33 @@ def test_shipped_config_loads_with_its_environment(monkeypatch):
     cfg = load_config(EXAMPLE / "grpo.yaml")
     assert cfg.env.factory == "rallyrl.rollout.env:ToolEnv" and cfg.generation.engine == "hf"
     assert [f.name for f in cfg.reward.fns] == ["correct", "tool"]
+
+
+def test_shipped_config_passes_the_start_checks(monkeypatch, tiny_chat):
+    """`rallyrl check` / the start of a run on the shipped config (on the tiny chat model): its reward and
+    metric functions take the transcript (`turn_texts`, `tool_calls`), which multi-turn episodes pass, so
+    the start-time argument check must count them; without an environment the same functions are refused
+    there, naming the argument."""
+    from rallyrl.config import ConfigError
+    from rallyrl.inputs import prepare_inputs
+
+    monkeypatch.chdir(ROOT)
+    over = [f"model.path={tiny_chat}", "model.prepare=null", "data.long_prompts=truncate_left"]  # a tiny tokenizer
+    inp = prepare_inputs(load_config(EXAMPLE / "grpo.yaml", over), world_size=2)
+    assert inp.env is not None and [f.name for f in inp.reward_fns] == ["correct", "tool"]
+    with pytest.raises(ConfigError, match="requires the argument 'turn_texts'"):
+        prepare_inputs(load_config(EXAMPLE / "grpo.yaml", over + ["env.factory=null"]), world_size=2)
+
+
+def test_a_data_column_named_like_a_transcript_argument_is_refused_at_start(monkeypatch, tiny_chat, tmp_path):
+    from rallyrl.config import ConfigError
+    from rallyrl.inputs import prepare_inputs
+
+    monkeypatch.chdir(ROOT)
+    rows = [json.loads(line) for line in (EXAMPLE / "prompts.jsonl").read_text().splitlines()[:4]]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({**r, "turn_texts": "x"}) + "\n" for r in rows))
+    cfg = load_config(EXAMPLE / "grpo.yaml", [f"model.path={tiny_chat}", "model.prepare=null", f"data.prompts={data}",
+                                              "data.eval_prompts=null"])
+    with pytest.raises(ConfigError, match="data column 'turn_texts' has the name of an argument multi-turn episodes"):
+        prepare_inputs(cfg, world_size=2)
