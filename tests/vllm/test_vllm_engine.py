@@ -96,3 +96,17 @@ def test_sampling_ids_logprobs_eos_and_seeds(setup):
         assert torch.allclose(out.logprobs[i, : len(ids)], want, atol=1e-4)
     # the request seeds are (spec.seed, version, call since the push, index): a new call, new seeds
     assert engine._seeds(11, 3) != engine._seeds(11, 3)
+
+
+def test_a_batch_larger_than_one_scheduler_step_with_seeds(setup):
+    """More prompt tokens than one engine step holds (max_num_batched_tokens): with chunked prefill a prompt
+    split over two steps rewinds its seeded generator, which crashes on CPU ("CPU Generator does not use
+    offset"); the engine prefills whole prompts per step instead, so a big batch runs."""
+    models, engine = setup
+    sched = engine.llm.llm_engine.vllm_config.scheduler_config
+    assert not sched.enable_chunked_prefill
+    length = min(48, engine.llm.llm_engine.model_config.max_model_len - 8)
+    n = sched.max_num_batched_tokens // length + 3
+    prompts = [[5 + (i + j) % 50 for j in range(length)] for i in range(n)]
+    out = engine.generate(prompts, SamplingSpec(max_new_tokens=4, temperature=1.0, logprobs=True, seed=3))
+    assert len(out.token_ids) == n and all(1 <= len(t) <= 4 for t in out.token_ids)
