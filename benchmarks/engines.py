@@ -42,8 +42,8 @@ ENGINES = {"hf": {"engine": "hf"}, "vllm-float32": {"engine": "vllm", "dtype": "
            "vllm-bfloat16": {"engine": "vllm", "dtype": "bfloat16"}}
 PROMPTS, SAMPLES, NEW_TOKENS, CALLS = 4, 8, 64, 1
 ITERATIONS, CURVE_ITERATIONS = 3, 4
-# The curve compares hf with the bfloat16 engine: the float32 engine's mismatch is ~1e-5 (part generate), too
-# small to move a curve, and three curves did not fit this machine's time.
+# By default the curve compares hf with the bfloat16 engine (three curves do not fit `make bench`'s time);
+# --engines names the curve's engines too (the float32 one: `--parts curve --engines vllm-float32`).
 CURVE_ENGINES = ("hf", "vllm-bfloat16")
 QUICK = dict(samples=4, new_tokens=16, calls=1, iterations=2, curve_iterations=2)
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if part in parts:
             t0 = os.getloadavg()[0]
             runs = [run_train(e, model, work, its, curve, "r1")
-                    for e in (CURVE_ENGINES if curve else names) if e in names]
+                    for e in (CURVE_ENGINES if curve and not args.engines else names) if e in names]
             for r in runs:
                 print(f"[engines] {part} {r['engine']}: {statistics.median(r['iteration_s'] or [0]):.1f} s/iteration",
                       flush=True)
