@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install install-vllm clean-venv bench
 
-# `make bench` (QUICK=1: ~3-minute smoke version): its own environment, .venv-bench/ (trl 1.12.0 and
+# `make bench` (~51 min on a quiet 2-core machine; QUICK=1: a ~20-minute smoke version): its own environment, .venv-bench/ (trl 1.12.0 and
 # the benchmark models; benchmarks/setup.sh), so the project's .venv never sees TRL.
 BENCH_VENV := .venv-bench
 BENCH_STAMP := $(BENCH_VENV)/.installed
