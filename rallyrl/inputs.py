@@ -22,7 +22,7 @@ from .models import ModelLoadError, check_model_folder, load_tokenizer, max_posi
 from .reward.loading import load_callable, resolve_reward_fns
 from .reward.signature import check_columns, check_run
 from .reward.step import NamedRewardFn
-from .rollout.episode import TRANSCRIPT_KWARGS
+from .rollout.episode import TRANSCRIPT_KWARGS, transcript_clash
 
 MetricFn = Callable[..., dict[str, Sequence[float]]]
 
@@ -59,10 +59,8 @@ def _check_columns(cfg: Config, reward_fns: list[Any], metric_fn: MetricFn | Non
     same name is refused."""
     if episodes:
         for where, columns, _ in sets:
-            if clash := [c for c in columns if c in TRANSCRIPT_KWARGS]:
-                raise ConfigError(f"{where}: data column {clash[0]!r} has the name of an argument multi-turn "
-                                  f"episodes give the reward function for the transcript "
-                                  f"({', '.join(TRANSCRIPT_KWARGS)}); rename the column")
+            if why := transcript_clash(columns, where):
+                raise ConfigError(why)
         sets = [(where, columns + list(TRANSCRIPT_KWARGS), chat) for where, columns, chat in sets]
     # The functions against the data's columns: a collision or a missing argument fails now, not at the
     # first reward call after the models have loaded.

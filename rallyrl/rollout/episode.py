@@ -177,10 +177,8 @@ def _start(records: list[dict[str, Any]], prompt_rows: list[int], tokenizer: Any
                                  for env, rec, i in zip(envs, records, prompt_rows)])
     episodes = []
     for env, rec, i, (added, error) in zip(envs, records, prompt_rows, outs):
-        clash = sorted(set(rec) & set(TRANSCRIPT_KWARGS))
-        if clash:
-            raise ValueError(f"prompt {i} has a column {clash[0]!r}, a name multi-turn episodes give the reward "
-                             f"function for the transcript ({', '.join(TRANSCRIPT_KWARGS)}); rename the column")
+        if why := transcript_clash(rec, f"prompt {i}"):
+            raise ValueError(why)
         if error is not None:
             raise EnvFailure(f"prompt {i} ({type(env).__name__}), reset()", error) from error
         messages = rec["prompt"] if isinstance(rec["prompt"], list) else [{"role": "user", "content": rec["prompt"]}]
@@ -309,6 +307,17 @@ def _transcript(e: _Episode) -> dict[str, Any]:
 TRANSCRIPT_KWARGS = ("messages", "turn_texts", "turn_token_ids", "tool_calls", "env_rewards", "truncated")
 
 
+def transcript_clash(columns: Any, where: str) -> str | None:
+    """The error for a data column named like a transcript keyword (the reward function would get it
+    twice), or None; ``where`` names the data. Checked at start (inputs.py) and again for callers that had
+    no data to check there."""
+    clash = sorted(set(columns) & set(TRANSCRIPT_KWARGS))
+    if not clash:
+        return None
+    return (f"{where}: data column {clash[0]!r} has the name of an argument multi-turn episodes give the reward "
+            f"function for the transcript ({', '.join(TRANSCRIPT_KWARGS)}); rename the column")
+
+
 def env_records(texts: list[str], metadata: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The prompt records an environment's ``reset`` gets: ``{"prompt": the messages (a conversation) or
     the text, ...metadata columns}``, as the user wrote the row."""
@@ -326,10 +335,8 @@ def reward_metadata(metadata: list[dict[str, Any]], transcripts: list[dict[str, 
         return metadata
     out = []
     for md, t in zip(metadata, transcripts):
-        clash = sorted(set(md) & set(TRANSCRIPT_KWARGS))
-        if clash:
-            raise ValueError(f"the prompts have a column {clash[0]!r}, a name multi-turn episodes give the reward "
-                             f"function for the transcript ({', '.join(TRANSCRIPT_KWARGS)}); rename the column")
+        if why := transcript_clash(md, "the prompts"):
+            raise ValueError(why)
         out.append({**md, "messages": t["messages"], "turn_texts": [x["text"] for x in t["turns"]],
                     "turn_token_ids": [x["token_ids"] for x in t["turns"]],
                     "tool_calls": [x["tool_calls"] for x in t["turns"]], "env_rewards": t["env_rewards"],

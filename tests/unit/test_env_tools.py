@@ -223,3 +223,15 @@ def test_multi_turn_episodes_load_with_either_engine_and_refuse_single_turn_opti
     with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling work on single-turn samples only"):
         load_config({"env": env, "generation": {"engine": "vllm"}, "ppo": {"estimator": "grpo"},
                      "rollout": {"samples_per_prompt": 2, "num_rollouts": 4, "dynamic_sampling": True}})
+
+
+def test_a_column_named_like_a_transcript_keyword_is_named_in_one_message():
+    """The start-time check (inputs.py) and the per-episode ones (rollout/episode.py) use one message."""
+    from rallyrl.rollout.episode import reward_metadata, transcript_clash
+
+    assert transcript_clash(["question", "answer"], "data.prompts") is None
+    assert transcript_clash(["truncated", "messages"], "data.prompts").startswith(
+        "data.prompts: data column 'messages' has the name of an argument multi-turn episodes give")
+    t = {"messages": [], "turns": [], "env_rewards": [], "truncated": False}
+    with pytest.raises(ValueError, match="the prompts: data column 'tool_calls'"):
+        reward_metadata([{"tool_calls": 1}], [t])
