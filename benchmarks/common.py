@@ -82,8 +82,9 @@ def rows_main(ap: Any, args: Any, rows_table: dict[str, Any], run: Any) -> int:
     if bad:
         ap.error(f"unknown row(s) {bad}; rows are {list(rows_table)}")
     out = ROOT / args.out
+    # run directories and logs (GBs for the SmolLM2 rows) under the ignored runs/bench/, wherever --out is
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-              **run(args.quick, rows, out.parent / out.stem)}
+              **run(args.quick, rows, ROOT / "runs" / "bench" / out.stem)}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps({r: report[r].get("ratio", report[r].get("error")) for r in rows}, indent=2))

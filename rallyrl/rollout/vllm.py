@@ -66,7 +66,7 @@ class VLLMEngine:
         # the noisier of the two sides sets the default (a bf16 trainer forward against a float32 engine too)
         self.tolerance = options.probe_tolerance or max(DEFAULT_TOLERANCE[dtype], DEFAULT_TOLERANCE[trainer_dtype])
         # no longer than the engine accepts (generation.vllm.max_model_len may be set below PROBE_TOKENS)
-        limit = getattr(getattr(llm.llm_engine, "model_config", None), "max_model_len", None) or PROBE_TOKENS + 1
+        limit = llm.llm_engine.model_config.max_model_len
         self.probe = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"][: min(PROBE_TOKENS, limit - 1)]
         self.calls: dict[int, int] = {}  # spec.seed -> calls since the last push (the request seeds' counter)
         self.last_probe: dict[str, float] = {}
